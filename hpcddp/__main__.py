@@ -1,0 +1,5 @@
+import sys
+
+from hpcddp.cli import main
+
+sys.exit(main())

