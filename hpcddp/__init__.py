@@ -1,0 +1,54 @@
+"""hpcddp: MPI-backed HPC training toolkit for PyTorch.
+
+Importing hpcddp registers the torch.distributed backend "hpcddp" and starts nothing: MPI
+starts in :func:`init` (or :func:`init_process_group`, or the first op).
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; resolved on first access so `import hpcddp` stays light
+_LAZY = {
+    "init": "hpcddp.comm", "finalize": "hpcddp.comm", "world": "hpcddp.comm",
+    "get_topology": "hpcddp.comm", "Communicator": "hpcddp.comm", "rank_print": "hpcddp.comm",
+    "log": "hpcddp.comm",
+    "init_process_group": "hpcddp.backend", "group_from_comm": "hpcddp.backend",
+    "topology_groups": "hpcddp.backend", "ProcessGroupHPCDDP": "hpcddp.backend",
+}
+for _op in ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
+            "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object",
+            "broadcast_object_list", "gather", "gather_object", "irecv", "isend",
+            "monitored_barrier", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+            "scatter", "scatter_object_list", "send", "Work"):
+    _LAZY[_op] = "hpcddp.collectives"
+
+__all__ = ["Communicator", "ProcessGroupHPCDDP", "Work", "__version__", "all_gather",
+           "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+           "all_to_all_single", "barrier", "broadcast", "broadcast_object",
+           "broadcast_object_list", "finalize", "gather", "gather_object", "get_topology",
+           "group_from_comm", "init", "init_process_group", "irecv", "isend", "log",
+           "monitored_barrier", "rank_print", "recv", "reduce", "reduce_scatter",
+           "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+           "topology_groups", "world"]
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hpcddp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def _register_backend() -> None:
+    try:
+        from hpcddp.backend import register
+    except ImportError:  # torch without distributed support: the rest of hpcddp still imports
+        return
+    register()
+
+
+_register_backend()

@@ -1,0 +1,78 @@
+"""What every op shares: resolving the group, reduce ops, recording, the blocking/async split."""
+from __future__ import annotations
+
+import torch
+
+from hpcddp.comm import startup as _rt
+from hpcddp.comm._mpi import MPI
+from hpcddp.comm.buffers import as_array, check_tensor, same_spec  # noqa: F401  (re-export)
+from hpcddp.comm.communicator import Communicator
+from hpcddp.comm.ops import RedOpType, mpi_op
+from hpcddp.diagnostics import recorder as _rec
+from hpcddp.collectives.work import CompletedWork, Work  # noqa: F401
+
+IN_PLACE = MPI.IN_PLACE
+record = _rec.start
+record_end = _rec.end
+_op_cache: dict = {}
+
+
+def resolve(group, fn: str) -> Communicator:
+    """The Communicator an op runs on: GROUP, or hpcddp's world when None."""
+    if group is None:
+        rt = _rt._runtime
+        return rt.world if rt is not None else _rt.init().world
+    if isinstance(group, Communicator):
+        if group.mpi == MPI.COMM_NULL:
+            raise ValueError(f"{fn}: group {group.name!r} was destroyed")
+        return group
+    comm = getattr(group, "hpcddp_comm", None)  # an hpcddp torch ProcessGroup
+    if isinstance(comm, Communicator):
+        return comm
+    raise TypeError(f"{fn}: group must be an hpcddp Communicator, an hpcddp process group or "
+                    f"None (the world), got {type(group).__name__}")
+
+
+def reduce_op(op, dtype: torch.dtype, fn: str):
+    """(MPI.Op, RedOpType) for OP on DTYPE, cached (the hot path)."""
+    key = (op if isinstance(op, RedOpType) else getattr(op, "op", op), dtype)
+    hit = _op_cache.get(key)
+    if hit is None:
+        hit = _op_cache[key] = mpi_op(op, dtype, fn)
+    return hit
+
+
+def pre_reduce(tensor: torch.Tensor, op, kind) -> None:
+    """PREMUL_SUM scales its input before the SUM (NCCL's definition)."""
+    if kind == RedOpType.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise ValueError("PREMUL_SUM needs a factor: use dist._make_nccl_premul_sum(factor)")
+        tensor.mul_(factor)
+
+
+def post_reduce(tensor: torch.Tensor, kind, size: int) -> None:
+    if kind == RedOpType.AVG:
+        tensor.div_(size)
+
+
+def check_list(lst, n: int, fn: str, arg: str, what: str = "one per rank in the group") -> None:
+    if not isinstance(lst, (list, tuple)):
+        raise TypeError(f"{fn}: {arg} must be a list of tensors, got {type(lst).__name__}")
+    if len(lst) != n:
+        raise ValueError(f"{fn}: {arg} has {len(lst)} tensors, expected {n} ({what})")
+
+
+def finish_or_work(async_op: bool, entry, requests, result, finish=None, keep=None):
+    """Blocking: wait here and return None. Async: return a Work over the requests."""
+    if async_op:
+        return Work(requests, result, finish, entry, keep)
+    MPI.Request.Waitall(requests)
+    if finish is not None:
+        finish()
+    record_end(entry)
+    return None
+
+
+def flat_buffer(like: torch.Tensor, count: int) -> torch.Tensor:
+    return torch.empty(count, dtype=like.dtype)

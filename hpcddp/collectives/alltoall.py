@@ -1,0 +1,85 @@
+"""All-to-all: all_to_all_single (equal or given splits) and all_to_all (lists).
+
+Signatures and semantics follow torch.distributed; all members of the group call each op.
+"""
+from __future__ import annotations
+
+import torch
+
+from hpcddp.collectives._common import (as_array, check_list, finish_or_work, record, resolve,
+                                        same_spec)
+
+
+def _splits(splits, total_rows: int, n: int, fn: str, arg: str) -> list[int]:
+    if splits is None or len(splits) == 0:
+        if total_rows % n:
+            raise ValueError(f"{fn}: {arg} not given, so dim 0 ({total_rows}) must divide evenly "
+                             f"by the group size {n}")
+        return [total_rows // n] * n
+    splits = [int(s) for s in splits]
+    if len(splits) != n:
+        raise ValueError(f"{fn}: {arg} has {len(splits)} entries, expected {n} (one per rank)")
+    if any(s < 0 for s in splits) or sum(splits) != total_rows:
+        raise ValueError(f"{fn}: {arg}={splits} must be non-negative and sum to dim 0 "
+                         f"({total_rows})")
+    return splits
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op=False):
+    """Split INPUT along dim 0 and send block j to rank j; receive into OUTPUT in rank order.
+
+    Without split sizes, dim 0 is split evenly. Rank i's OUTPUT holds block i of every
+    rank's INPUT, concatenated in rank order.
+    """
+    fn = "all_to_all_single"
+    comm = resolve(group, fn)
+    out = as_array(output, fn, "output")
+    inp = as_array(input, fn, "input")
+    if input.dtype != output.dtype:
+        raise TypeError(f"{fn}: output has dtype {output.dtype}, expected {input.dtype} (input's)")
+    n = comm.size
+    in_rows = input.shape[0] if input.dim() else 1
+    out_rows = output.shape[0] if output.dim() else 1
+    row_in = input.numel() // in_rows if in_rows else 0
+    row_out = output.numel() // out_rows if out_rows else 0
+    sin = _splits(input_split_sizes, in_rows, n, fn, "input_split_sizes")
+    sout = _splits(output_split_sizes, out_rows, n, fn, "output_split_sizes")
+    entry = record(comm, "all_to_all", input.shape, input.dtype)
+    if input_split_sizes is None and output_split_sizes is None or (
+            len(set(sin)) == 1 and len(set(sout)) == 1 and sin[0] * row_in == sout[0] * row_out):
+        req = comm.mpi.Ialltoall(inp, out)
+    else:
+        scounts = [s * row_in for s in sin]
+        rcounts = [s * row_out for s in sout]
+        sdis = [sum(scounts[:i]) for i in range(n)]
+        rdis = [sum(rcounts[:i]) for i in range(n)]
+        req = comm.mpi.Ialltoallv([inp, (scounts, sdis)], [out, (rcounts, rdis)])
+    return finish_or_work(async_op, entry, [req], [output])
+
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    """Send INPUT_TENSOR_LIST[j] to rank j; receive rank j's into OUTPUT_TENSOR_LIST[j]."""
+    fn = "all_to_all"
+    comm = resolve(group, fn)
+    n = comm.size
+    check_list(input_tensor_list, n, fn, "input_tensor_list")
+    check_list(output_tensor_list, n, fn, "output_tensor_list")
+    ref = input_tensor_list[0]
+    same_spec(input_tensor_list, ref, fn, "input_tensor_list", same_shape=False)
+    same_spec(output_tensor_list, ref, fn, "output_tensor_list", same_shape=False)
+    flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
+    flat_out = torch.empty(sum(t.numel() for t in output_tensor_list), dtype=ref.dtype)
+    scounts = [t.numel() for t in input_tensor_list]
+    rcounts = [t.numel() for t in output_tensor_list]
+    sdis = [sum(scounts[:i]) for i in range(n)]
+    rdis = [sum(rcounts[:i]) for i in range(n)]
+    entry = record(comm, "all_to_all", ref.shape, ref.dtype)
+    req = comm.mpi.Ialltoallv([as_array(flat_in), (scounts, sdis)],
+                              [as_array(flat_out), (rcounts, rdis)])
+
+    def finish():
+        for t, off, c in zip(output_tensor_list, rdis, rcounts):
+            t.view(-1).copy_(flat_out[off:off + c])
+    return finish_or_work(async_op, entry, [req], list(output_tensor_list), finish,
+                          keep=(flat_in, flat_out))

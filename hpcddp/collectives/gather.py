@@ -1,0 +1,120 @@
+"""Data movement from one or all ranks: broadcast, all_gather(_into_tensor), gather, scatter.
+
+Signatures and semantics follow torch.distributed; ``group`` is an hpcddp Communicator (None:
+the world). All members of the group call each op. Lists of tensors travel through one
+contiguous buffer (one MPI call, then a copy); the ``_into_tensor`` forms are zero-copy.
+"""
+from __future__ import annotations
+
+import torch
+
+from hpcddp.collectives._common import (as_array, check_list, finish_or_work, record,
+                                        record_end, resolve, same_spec)
+
+
+def broadcast(tensor, src, group=None, async_op=False):
+    """Copy TENSOR from group rank SRC to every rank of the group, in place.
+
+    Rank SRC holds x before; every rank holds x after.
+    """
+    comm = resolve(group, "broadcast")
+    comm.check_rank(src, "broadcast", "src")
+    arr = as_array(tensor, "broadcast", "tensor")
+    entry = record(comm, "broadcast", tensor.shape, tensor.dtype, src)
+    if not async_op:
+        comm.mpi.Bcast(arr, root=src)
+        record_end(entry)
+        return None
+    return finish_or_work(True, entry, [comm.mpi.Ibcast(arr, root=src)], [tensor])
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    """Concatenate every rank's INPUT_TENSOR into OUTPUT_TENSOR (rank order) on every rank.
+
+    output_tensor: n * input.numel() elements (n stacked or concatenated blocks).
+    """
+    comm = resolve(group, "all_gather_into_tensor")
+    out = as_array(output_tensor, "all_gather_into_tensor", "output_tensor")
+    inp = as_array(input_tensor, "all_gather_into_tensor", "input_tensor")
+    if output_tensor.dtype != input_tensor.dtype:
+        raise TypeError(f"all_gather_into_tensor: output_tensor has dtype {output_tensor.dtype}, "
+                        f"expected {input_tensor.dtype} (input_tensor's)")
+    if output_tensor.numel() != input_tensor.numel() * comm.size:
+        raise ValueError(f"all_gather_into_tensor: output_tensor has {output_tensor.numel()} "
+                         f"elements, expected {input_tensor.numel() * comm.size} (input's "
+                         f"{input_tensor.numel()} x group size {comm.size})")
+    entry = record(comm, "all_gather", input_tensor.shape, input_tensor.dtype)
+    req = comm.mpi.Iallgather(inp, out)
+    return finish_or_work(async_op, entry, [req], [output_tensor])
+
+
+def _scatter_copy(flat: torch.Tensor, outputs) -> None:
+    off = 0
+    for t in outputs:
+        n = t.numel()
+        t.view(-1).copy_(flat[off:off + n])
+        off += n
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    """Every rank's TENSOR into TENSOR_LIST (one tensor per rank, rank order), on every rank."""
+    comm = resolve(group, "all_gather")
+    as_array(tensor, "all_gather", "tensor")
+    check_list(tensor_list, comm.size, "all_gather", "tensor_list")
+    same_spec(tensor_list, tensor, "all_gather", "tensor_list", same_shape=False)
+    for i, t in enumerate(tensor_list):
+        if t.numel() != tensor.numel():
+            raise ValueError(f"all_gather: tensor_list[{i}] has {t.numel()} elements, expected "
+                             f"{tensor.numel()} (tensor's; every rank sends the same size)")
+    flat = torch.empty(tensor.numel() * comm.size, dtype=tensor.dtype)
+    entry = record(comm, "all_gather", tensor.shape, tensor.dtype)
+    req = comm.mpi.Iallgather(as_array(tensor), as_array(flat))
+    return finish_or_work(async_op, entry, [req], list(tensor_list),
+                          lambda: _scatter_copy(flat, tensor_list), keep=flat)
+
+
+def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
+    """Every rank's TENSOR into GATHER_LIST on group rank DST (rank order).
+
+    gather_list: n tensors shaped like TENSOR on DST; None (or []) on the other ranks.
+    """
+    comm = resolve(group, "gather")
+    comm.check_rank(dst, "gather", "dst")
+    as_array(tensor, "gather", "tensor")
+    if comm.rank == dst:
+        check_list(gather_list, comm.size, "gather", "gather_list")
+        same_spec(gather_list, tensor, "gather", "gather_list")
+        flat = torch.empty(tensor.numel() * comm.size, dtype=tensor.dtype)
+        entry = record(comm, "gather", tensor.shape, tensor.dtype, dst)
+        req = comm.mpi.Igather(as_array(tensor), as_array(flat), root=dst)
+        return finish_or_work(async_op, entry, [req], list(gather_list),
+                              lambda: _scatter_copy(flat, gather_list), keep=flat)
+    if gather_list:
+        raise ValueError(f"gather: gather_list must be None or empty on rank {comm.rank}, which "
+                         f"is not the destination (dst={dst})")
+    entry = record(comm, "gather", tensor.shape, tensor.dtype, dst)
+    req = comm.mpi.Igather(as_array(tensor), None, root=dst)
+    return finish_or_work(async_op, entry, [req], [tensor])
+
+
+def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
+    """SCATTER_LIST[r] on group rank SRC into TENSOR on rank r.
+
+    scatter_list: n tensors shaped like TENSOR on SRC; None (or []) on the other ranks.
+    """
+    comm = resolve(group, "scatter")
+    comm.check_rank(src, "scatter", "src")
+    arr = as_array(tensor, "scatter", "tensor")
+    if comm.rank == src:
+        check_list(scatter_list, comm.size, "scatter", "scatter_list")
+        same_spec(scatter_list, tensor, "scatter", "scatter_list")
+        flat = torch.cat([t.reshape(-1) for t in scatter_list])
+        entry = record(comm, "scatter", tensor.shape, tensor.dtype, src)
+        req = comm.mpi.Iscatter(as_array(flat), arr, root=src)
+        return finish_or_work(async_op, entry, [req], [tensor], keep=flat)
+    if scatter_list:
+        raise ValueError(f"scatter: scatter_list must be None or empty on rank {comm.rank}, which "
+                         f"is not the source (src={src})")
+    entry = record(comm, "scatter", tensor.shape, tensor.dtype, src)
+    req = comm.mpi.Iscatter(None, arr, root=src)
+    return finish_or_work(async_op, entry, [req], [tensor])

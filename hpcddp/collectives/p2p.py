@@ -1,0 +1,74 @@
+"""Point-to-point: send, recv (from one rank or any), isend, irecv, batch_isend_irecv.
+
+Peers are group ranks. Tags are non-negative ints up to the MPI library's MPI_TAG_UB.
+"""
+from __future__ import annotations
+
+from hpcddp.collectives._common import as_array, finish_or_work, record, record_end, resolve
+from hpcddp.collectives.work import Work
+from hpcddp.comm._mpi import MPI
+
+_tag_ub: int | None = None
+
+
+def _check_tag(tag, fn: str) -> int:
+    global _tag_ub
+    if _tag_ub is None:
+        _tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767
+    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= _tag_ub:
+        raise ValueError(f"{fn}: tag must be an int in 0..{_tag_ub} (MPI_TAG_UB), got {tag!r}")
+    return tag
+
+
+def _check_peer(comm, peer, fn: str, arg: str) -> int:
+    comm.check_rank(peer, fn, arg)
+    if peer == comm.rank:
+        raise ValueError(f"{fn}: {arg}={peer} is this rank itself; a rank cannot {fn} to itself "
+                         f"(copy the tensor instead)")
+    return peer
+
+
+def isend(tensor, dst, group=None, tag=0):
+    """Start sending TENSOR to group rank DST; returns a Work (wait before reusing TENSOR)."""
+    comm = resolve(group, "isend")
+    _check_peer(comm, dst, "isend", "dst")
+    arr = as_array(tensor, "isend", "tensor")
+    _check_tag(tag, "isend")
+    entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
+    return finish_or_work(True, entry, [comm.mpi.Isend(arr, dst, tag)], [tensor])
+
+
+def send(tensor, dst, group=None, tag=0):
+    """Send TENSOR to group rank DST; returns when TENSOR may be reused."""
+    comm = resolve(group, "send")
+    _check_peer(comm, dst, "send", "dst")
+    arr = as_array(tensor, "send", "tensor")
+    _check_tag(tag, "send")
+    entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
+    comm.mpi.Send(arr, dst, tag)
+    record_end(entry)
+
+
+def irecv(tensor, src=None, group=None, tag=0):
+    """Start receiving into TENSOR from group rank SRC (None: any rank); returns a Work whose
+    ``source_rank()`` names the sender once complete."""
+    comm = resolve(group, "irecv")
+    source = MPI.ANY_SOURCE if src is None else _check_peer(comm, src, "irecv", "src")
+    arr = as_array(tensor, "irecv", "tensor")
+    _check_tag(tag, "irecv")
+    entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
+    req = comm.mpi.Irecv(arr, source, tag)
+    return Work([req], [tensor], None, entry, status=MPI.Status())
+
+
+def recv(tensor, src=None, group=None, tag=0) -> int:
+    """Receive into TENSOR from group rank SRC (None: any rank). Returns the sender's rank."""
+    comm = resolve(group, "recv")
+    source = MPI.ANY_SOURCE if src is None else _check_peer(comm, src, "recv", "src")
+    arr = as_array(tensor, "recv", "tensor")
+    _check_tag(tag, "recv")
+    entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
+    status = MPI.Status()
+    comm.mpi.Recv(arr, source, tag, status)
+    record_end(entry)
+    return status.Get_source()

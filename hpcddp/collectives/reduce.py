@@ -1,0 +1,102 @@
+"""Reductions: all_reduce, reduce, reduce_scatter, reduce_scatter_tensor.
+
+Signatures and semantics follow torch.distributed. ``group`` is an hpcddp Communicator (None:
+the world); with ``async_op=True`` a :class:`~hpcddp.collectives.work.Work` is returned,
+otherwise None once the op is complete. All members of the group call each op.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hpcddp.collectives._common import (IN_PLACE, as_array, check_list, finish_or_work,
+                                        post_reduce, pre_reduce, record, record_end,
+                                        reduce_op, resolve, same_spec)
+
+SUM = dist.ReduceOp.SUM
+
+
+def all_reduce(tensor, op=SUM, group=None, async_op=False):
+    """Reduce TENSOR across the group with OP, in place on every rank.
+
+    Rank r holds x_r before; every rank holds op(x_0, ..., x_{n-1}) after.
+    """
+    comm = resolve(group, "all_reduce")
+    arr = as_array(tensor, "all_reduce", "tensor")
+    mop, kind = reduce_op(op, tensor.dtype, "all_reduce")
+    entry = record(comm, "all_reduce", tensor.shape, tensor.dtype)
+    if kind is not SUM_KIND:
+        pre_reduce(tensor, op, kind)
+    if not async_op:
+        comm.mpi.Allreduce(IN_PLACE, arr, mop)
+        if kind is not SUM_KIND:
+            post_reduce(tensor, kind, comm.size)
+        record_end(entry)
+        return None
+    req = comm.mpi.Iallreduce(IN_PLACE, arr, mop)
+    finish = None if kind is SUM_KIND else (lambda: post_reduce(tensor, kind, comm.size))
+    return finish_or_work(True, entry, [req], [tensor], finish)
+
+
+SUM_KIND = dist.ReduceOp.RedOpType.SUM
+
+
+def reduce(tensor, dst, op=SUM, group=None, async_op=False):
+    """Reduce TENSOR across the group onto group rank DST (in place there).
+
+    Rank DST holds op(x_0, ..., x_{n-1}) after; the other ranks' tensors are left as they were.
+    """
+    comm = resolve(group, "reduce")
+    comm.check_rank(dst, "reduce", "dst")
+    arr = as_array(tensor, "reduce", "tensor")
+    mop, kind = reduce_op(op, tensor.dtype, "reduce")
+    entry = record(comm, "reduce", tensor.shape, tensor.dtype, dst)
+    root = comm.rank == dst
+    if root:
+        pre_reduce(tensor, op, kind)
+        req = comm.mpi.Ireduce(IN_PLACE, arr, mop, root=dst)
+    else:
+        send = tensor.clone() if kind == dist.ReduceOp.RedOpType.PREMUL_SUM else tensor
+        pre_reduce(send, op, kind)
+        req = comm.mpi.Ireduce(as_array(send), None, mop, root=dst)
+        if send is not tensor:
+            return finish_or_work(async_op, entry, [req], [tensor], keep=send)
+    finish = (lambda: post_reduce(tensor, kind, comm.size)) if root else None
+    return finish_or_work(async_op, entry, [req], [tensor], finish)
+
+
+def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
+    """Reduce INPUT (n equal blocks, one per rank) across the group; rank r gets block r.
+
+    input: n * output.numel() elements on every rank. Rank r holds op over ranks of input's
+    r-th block in OUTPUT after.
+    """
+    comm = resolve(group, "reduce_scatter_tensor")
+    out = as_array(output, "reduce_scatter_tensor", "output")
+    inp = as_array(input, "reduce_scatter_tensor", "input")
+    if input.dtype != output.dtype:
+        raise TypeError(f"reduce_scatter_tensor: input has dtype {input.dtype}, expected "
+                        f"{output.dtype} (output's)")
+    if input.numel() != output.numel() * comm.size:
+        raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, expected "
+                         f"{output.numel() * comm.size} (output's {output.numel()} x group size "
+                         f"{comm.size})")
+    mop, kind = reduce_op(op, output.dtype, "reduce_scatter_tensor")
+    entry = record(comm, "reduce_scatter", output.shape, output.dtype)
+    if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
+        input = input.clone()
+        pre_reduce(input, op, kind)
+        inp = as_array(input)
+    req = comm.mpi.Ireduce_scatter_block(inp, out, mop)
+    return finish_or_work(async_op, entry, [req], [output],
+                          lambda: post_reduce(output, kind, comm.size), keep=input)
+
+
+def reduce_scatter(output, input_list, op=SUM, group=None, async_op=False):
+    """Like reduce_scatter_tensor with INPUT_LIST[r] as block r (one tensor per rank)."""
+    comm = resolve(group, "reduce_scatter")
+    as_array(output, "reduce_scatter", "output")
+    check_list(input_list, comm.size, "reduce_scatter", "input_list")
+    same_spec(input_list, output, "reduce_scatter", "input_list")
+    flat = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)
+    return reduce_scatter_tensor(output, flat, op, comm, async_op)

@@ -1,0 +1,148 @@
+"""Work: the handle of an op started with ``async_op=True``.
+
+Driven by MPI non-blocking requests (no Python thread per op): ``wait()`` waits on them and
+then runs the op's finishing step (copy-out, AVG division...); ``is_completed()`` tests them.
+A subclass of torch's Work, so the same object serves the direct API and torch.distributed
+(DDP's reducer calls ``get_future()`` on it from C++).
+
+``get_future()`` on a pending op: torch completes a Future only when someone sets its result.
+By default hpcddp waits for the op there (``HPCDDP_FUTURE=wait``): correct, and on few cores
+faster than a second thread spinning in MPI. ``HPCDDP_FUTURE=thread`` hands pending ops to one
+progress thread (one for the process, not one per op) so the caller runs on.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+from hpcddp.comm._mpi import MPI
+from hpcddp.diagnostics import recorder as _rec
+
+_FUTURE_MODE = os.environ.get("HPCDDP_FUTURE", "wait")
+# torch may hold only the C++ side of a Work returned to it (DDP's reducer); keep the Python
+# side of recent Works alive so its overrides (get_future, wait) stay reachable.
+_keepalive: collections.deque = collections.deque(maxlen=1024)
+
+
+class Work(dist._Work):
+    def __init__(self, requests, result, finish=None, entry=None, keep=None, status=None):
+        super().__init__()
+        self._status = status              # MPI.Status of a recv (source_rank)
+        self._requests = requests          # list of MPI.Request
+        self._result = result              # list of output tensors (the future's value)
+        self._finish = finish              # callable run once after the requests complete
+        self._entry = entry                # flight-recorder entry
+        self._keep = keep                  # buffers that must outlive the requests
+        self._done = False
+        self._exc = None
+        self._future = None
+        self._lock = threading.Lock()
+        _keepalive.append(self)
+
+    def _complete(self) -> None:
+        # caller holds self._lock
+        if self._done:
+            return
+        try:
+            if self._finish is not None:
+                self._finish()
+        except BaseException as exc:  # keep it for exception(); re-raised by wait()
+            self._exc = exc
+        self._done = True
+        self._keep = None
+        if self._entry is not None:
+            _rec.end(self._entry)
+
+    def wait(self, timeout=None) -> bool:
+        with self._lock:
+            if not self._done:
+                if self._status is not None:
+                    self._requests[0].Wait(self._status)
+                else:
+                    MPI.Request.Waitall(self._requests)
+                self._complete()
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        with self._lock:
+            if not self._done and (self._requests[0].Test(self._status) if self._status is not None
+                                   else MPI.Request.Testall(self._requests)):
+                self._complete()
+            return self._done
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._exc is None
+
+    def exception(self):
+        return self._exc
+
+    def result(self):
+        return self._result
+
+    def source_rank(self) -> int:
+        if self._status is None:
+            raise RuntimeError("source_rank: only a recv has a source rank")
+        self.wait()
+        return self._status.Get_source()
+
+    _source_rank = source_rank
+
+    def _set_future(self) -> None:
+        fut = self._future
+        if self._exc is not None:
+            fut.set_exception(self._exc)
+        else:
+            fut.set_result(self._result)
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is not None:
+            return self._future
+        self._future = torch.futures.Future()
+        if _FUTURE_MODE == "thread" and not self.is_completed():
+            _progress().put(self)
+            return self._future
+        try:
+            self.wait()
+        except BaseException:
+            pass
+        self._set_future()
+        return self._future
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class CompletedWork(Work):
+    """An op that finished before returning (blocking path called with async_op=True)."""
+
+    def __init__(self, result, exc=None):
+        super().__init__([], result)
+        self._done = True
+        self._exc = exc
+
+
+_queue: queue.Queue | None = None
+
+
+def _progress() -> queue.Queue:
+    global _queue
+    if _queue is None:
+        _queue = queue.Queue()
+
+        def loop():
+            while True:
+                w = _queue.get()
+                try:
+                    w.wait()
+                except BaseException:
+                    pass
+                w._set_future()
+        threading.Thread(target=loop, name="hpcddp-progress", daemon=True).start()
+    return _queue

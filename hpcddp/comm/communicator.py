@@ -1,0 +1,63 @@
+"""Communicator: an MPI intracommunicator with what hpcddp needs to know about it.
+
+Every hpcddp op runs on one of these. ``mpi`` is the mpi4py ``Intracomm``; ``world_ranks``
+maps group ranks to world ranks (error messages and diagnostics speak in world ranks too).
+Per-communicator sequence numbers count ops, as torch does per process group: the
+diagnostics compare them across ranks to name who is where.
+"""
+from __future__ import annotations
+
+import itertools
+
+from hpcddp.comm._mpi import MPI
+
+_ids = itertools.count()
+
+
+class Communicator:
+    __slots__ = ("mpi", "rank", "size", "name", "world_ranks", "seq", "uid", "__weakref__")
+
+    def __init__(self, mpi_comm, name: str = "", world_ranks=None):
+        self.mpi = mpi_comm
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self.name = name or f"comm{next(_ids)}"
+        if world_ranks is None:
+            world_ranks = translate_to_world(mpi_comm)
+        self.world_ranks = tuple(world_ranks)
+        self.seq = 0
+        self.uid = next(_ids)
+
+    def __repr__(self) -> str:
+        return f"Communicator({self.name!r}, rank={self.rank}, size={self.size})"
+
+    def check_rank(self, r, fn: str, arg: str) -> int:
+        """Validate a group rank argument (src/dst/peer) before any message."""
+        if not isinstance(r, int) or isinstance(r, bool):
+            raise ValueError(f"{fn}: {arg} must be an int group rank, got {type(r).__name__} {r!r}")
+        if not 0 <= r < self.size:
+            raise ValueError(f"{fn}: {arg}={r} is out of range for group {self.name!r} of size "
+                             f"{self.size} (valid: 0..{self.size - 1})")
+        return r
+
+    def free(self) -> None:
+        if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
+            try:
+                self.mpi.Free()
+            except MPI.Exception:
+                pass
+        self.mpi = MPI.COMM_NULL
+
+
+_world_group = None
+
+
+def translate_to_world(mpi_comm) -> list[int]:
+    global _world_group
+    if _world_group is None:
+        _world_group = MPI.COMM_WORLD.Get_group()
+    group = mpi_comm.Get_group()
+    try:
+        return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), _world_group))
+    finally:
+        group.Free()

@@ -1,0 +1,182 @@
+"""MPI start-up and shutdown, written down in one place.
+
+``init()`` starts MPI (asking for MPI_THREAD_MULTIPLE: DDP runs collectives from autograd
+threads), duplicates COMM_WORLD into hpcddp's private world (our traffic never collides with
+the user's), resolves local rank and nodes, picks the CUDA device by local rank, and installs
+abort-on-exception if asked. It is idempotent and safe when mpi4py already initialised MPI.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from dataclasses import dataclass, field
+
+from hpcddp.comm import output as _log
+from hpcddp.comm._mpi import MPI
+from hpcddp.comm.communicator import Communicator
+from hpcddp.comm.topology import Topology, build_topology, emulated_ranks_per_node
+
+THREAD_LEVELS = {
+    "single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED,
+    "serialized": MPI.THREAD_SERIALIZED, "multiple": MPI.THREAD_MULTIPLE,
+}
+_LEVEL_NAMES = {v: k for k, v in THREAD_LEVELS.items()}
+
+
+@dataclass
+class Runtime:
+    """What init() found: one per process."""
+    world: Communicator
+    topology: Topology
+    thread_level: str                  # granted
+    thread_level_requested: str
+    launch: object                     # hpcddp.launch.LaunchInfo or None (singleton)
+    local_rank_source: str             # "emulated", "mpi-shared-memory" or "launcher"
+    mpi_library: str
+    mpi_version: str
+    we_initialized: bool
+    cuda_device: int | None = None
+    notes: list = field(default_factory=list)
+
+
+_runtime: Runtime | None = None
+_lock = threading.Lock()
+
+
+def _mpi_library() -> tuple[str, str]:
+    text = MPI.Get_library_version().strip().splitlines()[0]
+    lower = text.lower()
+    for key, name in (("open mpi", "Open MPI"), ("cray mpich", "Cray MPICH"),
+                      ("mvapich", "MVAPICH"), ("mpich", "MPICH"), ("intel", "Intel MPI")):
+        if key in lower:
+            return name, text
+    return text.split(",")[0], text
+
+
+def init(*, thread_level: str = "multiple", abort_on_exception: bool = False,
+         set_cuda_device: bool = True, timeout: float | None = None) -> Runtime:
+    """Start MPI (if needed) and hpcddp's world. Idempotent; call on every rank.
+
+    thread_level: what to ask MPI for ("multiple" by default); what was granted is in
+        ``Runtime.thread_level`` and a warning is printed if it is lower than "multiple".
+    abort_on_exception: an uncaught exception on any rank prints its traceback with the
+        rank prefix and aborts the whole job (MPI_Abort) instead of leaving the others waiting.
+    set_cuda_device: with CUDA, ``torch.cuda.set_device(local_rank % device_count)``.
+    timeout: seconds before a stalled op is reported (HPCDDP_TIMEOUT; diagnostics).
+    """
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            _runtime = _start(thread_level)
+        rt = _runtime
+    if timeout is not None:
+        os.environ["HPCDDP_TIMEOUT"] = str(timeout)
+    if abort_on_exception:
+        from hpcddp.diagnostics.abort import install_abort_on_exception
+        install_abort_on_exception()
+    if set_cuda_device and rt.cuda_device is None:
+        rt.cuda_device = _pick_cuda_device(rt.topology.local_rank)
+    return rt
+
+
+def _start(thread_level: str) -> Runtime:
+    if thread_level not in THREAD_LEVELS:
+        raise ValueError(f"init: thread_level must be one of {sorted(THREAD_LEVELS)}, "
+                         f"got {thread_level!r}")
+    from hpcddp.launch import detect
+    launch = detect()  # raises LaunchEnvError on contradictory variables, before MPI starts
+    we_init = False
+    if MPI.Is_finalized():
+        raise RuntimeError("init: MPI was already finalized in this process; it cannot restart")
+    if not MPI.Is_initialized():
+        MPI.Init_thread(THREAD_LEVELS[thread_level])
+        we_init = True
+        atexit.register(_finalize_at_exit)
+    granted = _LEVEL_NAMES.get(MPI.Query_thread(), str(MPI.Query_thread()))
+    world = Communicator(MPI.COMM_WORLD.Dup(), "WORLD", list(range(MPI.COMM_WORLD.Get_size())))
+    _log.set_rank(world.rank)
+    notes = []
+    if THREAD_LEVELS[granted] < THREAD_LEVELS[thread_level]:
+        notes.append(f"MPI granted thread level {granted!r}, asked for {thread_level!r}: "
+                     f"DDP's autograd-thread collectives are serialised by hpcddp")
+    rpn = emulated_ranks_per_node()
+    key = launch.local_rank if launch is not None and launch.local_rank is not None else None
+    topo = build_topology(world, rpn, key)
+    if rpn:
+        source = "emulated"
+    else:
+        source = "mpi-shared-memory"
+        if launch is not None and launch.local_rank is not None and launch.local_rank != topo.local_rank:
+            # MPI's shared-memory split is what the hardware is; a launcher can be configured
+            # to describe something else (e.g. a wrapper script re-numbering tasks).
+            notes.append(f"launcher {launch.launcher} says local rank {launch.local_rank}, MPI's "
+                         f"shared-memory split says {topo.local_rank}: using MPI's (it is what "
+                         f"shares memory)")
+    lib, ver = _mpi_library()
+    rt = Runtime(world=world, topology=topo, thread_level=granted,
+                 thread_level_requested=thread_level, launch=launch, local_rank_source=source,
+                 mpi_library=lib, mpi_version=ver, we_initialized=we_init, notes=notes)
+    for n in notes:
+        _log.log(f"hpcddp.init: {n}")
+    return rt
+
+
+def _pick_cuda_device(local_rank: int):
+    import sys
+    if "torch" not in sys.modules and os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    dev = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def runtime() -> Runtime:
+    """The Runtime, starting MPI on first use."""
+    return _runtime if _runtime is not None else init()
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def world() -> Communicator:
+    """hpcddp's private duplicate of MPI_COMM_WORLD (starting MPI on first use)."""
+    rt = _runtime
+    return rt.world if rt is not None else init().world
+
+
+def get_topology() -> Topology:
+    return runtime().topology
+
+
+def finalize() -> None:
+    """Free hpcddp's communicators and finalize MPI if hpcddp started it. Call on every rank."""
+    global _runtime
+    with _lock:
+        rt, _runtime = _runtime, None
+    if rt is None:
+        return
+    try:
+        from hpcddp.diagnostics import shutdown_diagnostics
+        shutdown_diagnostics()
+    except ImportError:
+        pass
+    if rt.we_initialized and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+
+
+def _finalize_at_exit() -> None:
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        try:
+            from hpcddp.diagnostics import shutdown_diagnostics
+            shutdown_diagnostics()
+        except ImportError:
+            pass
+        MPI.Finalize()
