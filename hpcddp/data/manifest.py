@@ -1,0 +1,277 @@
+"""The on-disk layout of a packed data set, and its manifest.
+
+A packed data set is a directory::
+
+    DATASET/
+      manifest.json          what is here: format version, samples, key order, shards
+      shard-00000.lmdb       one LMDB environment per shard (subdir=False: one file), or
+      shard-00001.lmdb       shard-00000.h5 ... (one HDF5 file per shard)
+      ...
+
+A staged copy (``hpcddp stage``) holds the same files, byte for byte, plus markers:
+
+      STAGING                present while a stager works here (the copy is incomplete)
+      .shard-00003.lmdb.partial   a shard being written; renamed once its checksum matches
+      READY                  written last, once every shard of this node is verified
+
+Shards are the unit of packing, staging, verification and resume: a shard is one file with a
+known size and SHA-256, holding the samples ``first .. first + count - 1`` in key order.
+
+This module is pure standard library (json, hashlib): the stager, the datasets and the CLI all
+read manifests, and a DataLoader worker must not import MPI to do so.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+FORMAT = "hpcddp-dataset"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+READY = "READY"
+STAGING = "STAGING"
+PARTIAL_SUFFIX = ".partial"
+STORAGES = ("lmdb", "hdf5")
+SHARD_EXT = {"lmdb": ".lmdb", "hdf5": ".h5"}
+# bytes: raw values; array: one dtype and shape for every sample (raw C-order bytes);
+# npy: each value is a .npy file's bytes (arrays whose shapes or dtypes vary)
+ENCODINGS = ("bytes", "array", "npy")
+HASH = "sha256"
+HASH_BLOCK = 8 << 20
+
+
+class DatasetError(RuntimeError):
+    """A data set directory is missing, malformed, half-staged or corrupted."""
+
+
+class NotReadyError(DatasetError):
+    """A staged copy is incomplete: a stager is running here, or died before finishing."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    name: str        # file name inside the data set directory
+    first: int       # global index of its first sample
+    count: int       # samples in it
+    bytes: int       # file size in bytes
+    sha256: str      # hex digest of the file
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "first": self.first, "count": self.count,
+                "bytes": self.bytes, "sha256": self.sha256}
+
+
+def shard_name(index: int, storage: str) -> str:
+    return f"shard-{index:05d}{SHARD_EXT[storage]}"
+
+
+def partial_name(name: str) -> str:
+    """The temporary name a shard is written under before it is verified and renamed."""
+    return f".{name}{PARTIAL_SUFFIX}"
+
+
+class Manifest:
+    """A parsed ``manifest.json``. Build one with :func:`load` or :meth:`from_json`."""
+
+    def __init__(self, doc: dict, raw: bytes | None = None):
+        self.doc = doc
+        self.raw = raw
+        self.storage: str = doc["storage"]
+        self.encoding: str = doc["encoding"]
+        self.num_samples: int = int(doc["num_samples"])
+        self.keys: list[str] = list(doc["keys"])
+        self.labels: list[int] | None = doc.get("labels")
+        self.classes: list[str] | None = doc.get("classes")
+        self.dtype: str | None = doc.get("dtype")
+        self.shape: tuple | None = tuple(doc["shape"]) if doc.get("shape") is not None else None
+        self.shards: list[Shard] = [Shard(i, **s) for i, s in enumerate(doc["shards"])]
+        self._firsts = [s.first for s in self.shards]
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_json(cls, raw: bytes | str, where: str = "manifest") -> "Manifest":
+        if isinstance(raw, str):
+            raw = raw.encode()
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:
+            raise DatasetError(f"{where}: not valid JSON ({exc}); the file is truncated or not "
+                               f"an hpcddp manifest") from None
+        validate(doc, where)
+        return cls(doc, raw)
+
+    def dumps(self) -> bytes:
+        return dumps(self.doc)
+
+    # -- queries ----------------------------------------------------------------------------
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all shard files (the manifest itself not included)."""
+        return sum(s.bytes for s in self.shards)
+
+    def shard_of(self, index: int) -> Shard:
+        """The shard holding global sample ``index``."""
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample index {index} out of range for a data set of "
+                             f"{self.num_samples} samples")
+        return self.shards[bisect.bisect_right(self._firsts, index) - 1]
+
+    def indices_of(self, shards: Iterable[int]) -> list[int]:
+        """Global sample indices held by the given shard indices, ascending."""
+        out: list[int] = []
+        for s in sorted(set(shards)):
+            sh = self.shards[s]
+            out.extend(range(sh.first, sh.first + sh.count))
+        return out
+
+    def __repr__(self) -> str:
+        return (f"Manifest(storage={self.storage!r}, encoding={self.encoding!r}, "
+                f"samples={self.num_samples}, shards={len(self.shards)}, bytes={self.total_bytes})")
+
+
+def dumps(doc: dict) -> bytes:
+    """Canonical JSON: sorted keys, fixed separators, trailing newline (deterministic bytes)."""
+    return (json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n").encode()
+
+
+def validate(doc, where: str = "manifest") -> None:
+    """Check a manifest document's shape; raise DatasetError naming the first problem."""
+    def bad(msg):
+        raise DatasetError(f"{where}: {msg}")
+    if not isinstance(doc, dict):
+        bad(f"expected a JSON object, got {type(doc).__name__}")
+    if doc.get("format") != FORMAT:
+        bad(f"format is {doc.get('format')!r}, expected {FORMAT!r}: not an hpcddp data set "
+            f"(make one with `hpcddp pack`)")
+    v = doc.get("format_version")
+    if v != FORMAT_VERSION:
+        bad(f"format_version is {v!r}; this hpcddp reads version {FORMAT_VERSION}: re-pack the "
+            f"data set with this hpcddp or use the hpcddp that wrote it")
+    if doc.get("storage") not in STORAGES:
+        bad(f"storage is {doc.get('storage')!r}, expected one of {list(STORAGES)}")
+    if doc.get("encoding") not in ENCODINGS:
+        bad(f"encoding is {doc.get('encoding')!r}, expected one of {list(ENCODINGS)}")
+    n = doc.get("num_samples")
+    if not isinstance(n, int) or n < 0:
+        bad(f"num_samples is {n!r}, expected a non-negative int")
+    keys = doc.get("keys")
+    if not isinstance(keys, list) or len(keys) != n:
+        bad(f"keys has {len(keys) if isinstance(keys, list) else keys!r} entries, expected {n}")
+    labels = doc.get("labels")
+    if labels is not None and (not isinstance(labels, list) or len(labels) != n):
+        bad(f"labels has {len(labels) if isinstance(labels, list) else labels!r} entries, "
+            f"expected {n} (or null)")
+    if doc["encoding"] == "array" and (doc.get("dtype") is None or doc.get("shape") is None):
+        bad("encoding 'array' needs dtype and shape")
+    shards = doc.get("shards")
+    if not isinstance(shards, list):
+        bad("shards is missing or not a list")
+    expect_first = 0
+    for i, s in enumerate(shards):
+        need = ("name", "first", "count", "bytes", "sha256")
+        if not isinstance(s, dict) or any(k not in s for k in need):
+            bad(f"shards[{i}] must have {list(need)}, got {s!r}")
+        if s["first"] != expect_first or s["count"] < 1 or s["bytes"] < 0:
+            bad(f"shards[{i}] covers samples {s['first']}..{s['first'] + s['count'] - 1} with "
+                f"{s['bytes']} bytes; expected to start at {expect_first} with count >= 1")
+        if os.path.basename(s["name"]) != s["name"] or s["name"].startswith("."):
+            bad(f"shards[{i}].name {s['name']!r} must be a plain file name")
+        expect_first += s["count"]
+    if expect_first != n:
+        bad(f"shards hold {expect_first} samples, num_samples says {n}")
+
+
+def load(path: str, where: str | None = None) -> Manifest:
+    """Read ``DIR/manifest.json`` (or a manifest file given directly)."""
+    mpath = os.path.join(path, MANIFEST) if os.path.isdir(path) else path
+    where = where or mpath
+    try:
+        with open(mpath, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        d = os.path.dirname(mpath)
+        hint = ""
+        if os.path.exists(os.path.join(d, STAGING)):
+            hint = (f"; {STAGING} is present: a stager is working here or died before "
+                    f"finishing (re-run `hpcddp stage` to complete it)")
+        elif os.path.isdir(d):
+            hint = "; make a data set with `hpcddp pack`"
+        raise DatasetError(f"{where}: no {MANIFEST}{hint}") from None
+    return Manifest.from_json(raw, where)
+
+
+def write_atomic(path: str, data: bytes, fsync: bool = False) -> None:
+    """Write ``data`` to ``path`` through a temporary name and a rename."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def file_sha256(path: str, block: int = HASH_BLOCK) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(block)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def read_marker(path: str, name: str) -> dict | None:
+    """The JSON content of marker ``name`` in directory ``path``, or None if absent."""
+    try:
+        with open(os.path.join(path, name), "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(raw or b"{}")
+    except ValueError:
+        return {}
+
+
+def check_ready(path: str, who: str, shards: Sequence[Shard] | None = None) -> dict | None:
+    """Refuse a half-staged copy; return the READY document of a staged copy (None: a pack).
+
+    A directory is usable when no stager is working in it (no ``STAGING``) and the shards
+    it should hold are present with their recorded sizes (a stat each; no hashing).
+    """
+    staging = read_marker(path, STAGING)
+    if staging is not None:
+        since = staging.get("started", "?")
+        raise NotReadyError(
+            f"{who}: {path} is a half-staged copy ({STAGING} marker from {since}, no {READY}): "
+            f"a stager is still running or died before finishing; re-run `hpcddp stage SRC "
+            f"{path}` to complete it (verified shards are kept), or read the source instead")
+    ready = read_marker(path, READY)
+    if shards is not None:
+        local = None if ready is None or ready.get("local_shards") is None else set(ready["local_shards"])
+        for s in shards:
+            if local is not None and s.index not in local:
+                continue
+            fp = os.path.join(path, s.name)
+            try:
+                size = os.stat(fp).st_size
+            except FileNotFoundError:
+                raise DatasetError(
+                    f"{who}: shard {s.name} is missing from {path} (manifest lists "
+                    f"{len(shards)} shards): an incomplete copy; re-run `hpcddp stage` or "
+                    f"re-pack") from None
+            if size != s.bytes:
+                raise DatasetError(
+                    f"{who}: shard {s.name} in {path} has {size} bytes, the manifest says "
+                    f"{s.bytes}: a truncated or corrupted copy; re-run `hpcddp stage` (it "
+                    f"re-verifies and replaces bad shards)")
+    return ready

@@ -1,0 +1,381 @@
+"""Pack samples into a sharded LMDB or HDF5 data set (``hpcddp pack`` and :func:`pack`).
+
+Sources: a folder tree of files (key = relative path, sorted), a numpy array (one sample per
+row), or an iterable of ``(key, value)`` / ``(key, value, label)`` where a value is bytes or a
+numpy array. Samples are grouped, in order, into shards of at most ``shard_bytes`` of payload;
+each shard is one file (an LMDB environment with ``subdir=False``, or an HDF5 file). The
+output is deterministic: the same input gives the same bytes, shard checksums and manifest.
+
+Inside a shard:
+
+* LMDB: key = the sample's global index as 8 big-endian bytes, value = its payload.
+* HDF5: encoding ``array`` -> dataset ``samples`` of shape ``(count, *shape)``; encodings
+  ``bytes``/``npy`` -> ``data`` (uint8, the payloads end to end) and ``offsets`` (int64,
+  ``count + 1``). Both contiguous and uncompressed, so a reader can map them directly.
+"""
+from __future__ import annotations
+
+import io
+import os
+import struct
+import time
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from hpcddp.data import manifest as mf
+
+DEFAULT_SHARD_BYTES = 128 << 20
+_LMDB_TXN_BYTES = 64 << 20   # commit every ~64 MiB: keeps LMDB's dirty-page list bounded
+
+
+def lmdb_key(index: int) -> bytes:
+    """The LMDB key of global sample ``index`` (sorts in index order, so appends are cheap)."""
+    return struct.pack(">Q", index)
+
+
+def _values_kind(value):
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "bytes"
+    if isinstance(value, np.ndarray):
+        return "array"
+    if hasattr(value, "numpy") and hasattr(value, "detach"):  # a torch tensor
+        return "tensor"
+    return None
+
+
+def _walk_folder(root: str) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames.sort()
+        for fn in sorted(filenames):
+            full = os.path.join(dirpath, fn)
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            out.append(rel)
+    out.sort()
+    return out
+
+
+class _Source:
+    """Normalised input: an iterator of (key, value, label) plus what is known up front."""
+
+    def __init__(self, it: Iterator, total: int | None, classes: list[str] | None,
+                 encoding: str | None, dtype=None, shape=None):
+        self.it, self.total, self.classes, self.encoding = it, total, classes, encoding
+        self.dtype, self.shape = dtype, shape
+
+
+def _folder_source(root: str, label_from_parent: bool) -> _Source:
+    rels = _walk_folder(root)
+    classes = None
+    labels = None
+    if label_from_parent:
+        parents = []
+        for r in rels:
+            parent = r.rpartition("/")[0]
+            if not parent:
+                raise ValueError(f"pack: label_from_parent=True but {r!r} sits directly in "
+                                 f"{root} (no parent folder to name its class); move it into a "
+                                 f"class folder or pack without labels")
+            parents.append(parent)
+        classes = sorted(set(parents))
+        cls_index = {c: i for i, c in enumerate(classes)}
+        labels = [cls_index[p] for p in parents]
+
+    def gen():
+        for i, r in enumerate(rels):
+            with open(os.path.join(root, r), "rb") as f:
+                yield r, f.read(), (labels[i] if labels is not None else None)
+    return _Source(gen(), len(rels), classes, "bytes")
+
+
+def _array_source(arr: np.ndarray, labels) -> _Source:
+    if arr.ndim < 1:
+        raise ValueError("pack: a numpy array source needs at least one dimension (samples "
+                         "along axis 0), got a 0-d array")
+    lab = None if labels is None else list(labels)
+    if lab is not None and len(lab) != len(arr):
+        raise ValueError(f"pack: labels has {len(lab)} entries, the array has {len(arr)} samples")
+
+    def gen():
+        for i in range(len(arr)):
+            yield str(i), arr[i], (None if lab is None else lab[i])
+    return _Source(gen(), len(arr), None, "array", arr.dtype, tuple(arr.shape[1:]))
+
+
+def _iterable_source(items: Iterable, labels) -> _Source:
+    lab = None if labels is None else list(labels)
+    total = len(items) if hasattr(items, "__len__") else None
+    if lab is not None and total is not None and len(lab) != total:
+        raise ValueError(f"pack: labels has {len(lab)} entries, the source has {total} samples")
+
+    def gen():
+        for i, item in enumerate(items):
+            if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+                raise ValueError(f"pack: item {i} of the iterable is {type(item).__name__}; "
+                                 f"expected (key, value) or (key, value, label)")
+            key, value = item[0], item[1]
+            label = item[2] if len(item) == 3 else None
+            if lab is not None:
+                if label is not None:
+                    raise ValueError("pack: labels given both as an argument and inside the "
+                                     "items; use one")
+                if i >= len(lab):
+                    raise ValueError(f"pack: labels has {len(lab)} entries, the source has more")
+                label = lab[i]
+            yield key, value, label
+    return _Source(gen(), total, None, None)
+
+
+def _normalise(source, labels, label_from_parent) -> _Source:
+    if isinstance(source, (str, os.PathLike)):
+        root = os.fspath(source)
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"pack: source {root!r} is not a directory (a folder tree "
+                                    f"of files to pack)")
+        if labels is not None:
+            raise ValueError("pack: labels= is for array and iterable sources; a folder takes "
+                             "label_from_parent=True")
+        return _folder_source(root, label_from_parent)
+    if label_from_parent:
+        raise ValueError("pack: label_from_parent=True needs a folder source")
+    if isinstance(source, np.ndarray):
+        return _array_source(source, labels)
+    if hasattr(source, "numpy") and hasattr(source, "detach"):
+        return _array_source(source.detach().cpu().numpy(), labels)
+    if isinstance(source, (bytes, bytearray, dict)) or not hasattr(source, "__iter__"):
+        raise TypeError(f"pack: source must be a folder path, a numpy array or an iterable of "
+                        f"(key, value) pairs, got {type(source).__name__}")
+    return _iterable_source(source, labels)
+
+
+class _Encoder:
+    """Turns values into payload bytes; fixes the encoding from the first value when unset."""
+
+    def __init__(self, encoding: str | None):
+        if encoding is not None and encoding not in mf.ENCODINGS:
+            raise ValueError(f"pack: encoding={encoding!r}, expected one of {list(mf.ENCODINGS)}")
+        self.encoding = encoding
+        self.dtype: np.dtype | None = None
+        self.shape: tuple | None = None
+
+    def __call__(self, i: int, key: str, value) -> bytes | np.ndarray:
+        kind = _values_kind(value)
+        if kind == "tensor":
+            value, kind = value.detach().cpu().numpy(), "array"
+        if kind is None:
+            raise TypeError(f"pack: sample {i} ({key!r}) is {type(value).__name__}; values must "
+                            f"be bytes or numpy arrays")
+        if self.encoding is None:
+            self.encoding = "bytes" if kind == "bytes" else "array"
+        enc = self.encoding
+        if enc == "bytes":
+            if kind != "bytes":
+                raise TypeError(f"pack: sample {i} ({key!r}) is an array but the encoding is "
+                                f"'bytes'; pass encoding='npy' for arrays of varying shapes")
+            return bytes(value)
+        if kind != "array":
+            raise TypeError(f"pack: sample {i} ({key!r}) is bytes but the encoding is {enc!r}")
+        if value.dtype.hasobject:
+            raise TypeError(f"pack: sample {i} ({key!r}) has dtype object; only plain numeric "
+                            f"arrays can be packed")
+        if enc == "npy":
+            buf = io.BytesIO()
+            np.save(buf, np.ascontiguousarray(value), allow_pickle=False)
+            return buf.getvalue()
+        if self.dtype is None:
+            self.dtype, self.shape = value.dtype, tuple(value.shape)
+        elif value.dtype != self.dtype or tuple(value.shape) != self.shape:
+            raise ValueError(f"pack: sample {i} ({key!r}) is {value.dtype}{list(value.shape)}, "
+                             f"earlier samples are {self.dtype}{list(self.shape)}; encoding "
+                             f"'array' needs one dtype and shape: pass encoding='npy' to allow "
+                             f"them to vary")
+        return np.ascontiguousarray(value)
+
+
+def _nbytes(v) -> int:
+    return v.nbytes if isinstance(v, np.ndarray) else len(v)
+
+
+# -- shard writers -----------------------------------------------------------------------------
+
+def _lmdb_map_size(values) -> int:
+    est = 1 << 20
+    for v in values:
+        n = _nbytes(v)
+        # small values share leaf pages; large ones take whole overflow pages
+        est += (n + 64) if n < 2000 else ((n + 16 + 4095) // 4096) * 4096
+    est = int(est * 1.5)
+    return ((est + (1 << 20) - 1) >> 20) << 20
+
+
+def _write_lmdb(path: str, first: int, values: Sequence) -> None:
+    import lmdb
+    map_size = _lmdb_map_size(values)
+    while True:
+        for p in (path, path + "-lock"):
+            if os.path.exists(p):
+                os.remove(p)
+        env = lmdb.open(path, subdir=False, map_size=map_size, lock=False, sync=False,
+                        metasync=False, meminit=True, readahead=False, max_dbs=0)
+        try:
+            i, n = 0, len(values)
+            while i < n:
+                pending = 0
+                with env.begin(write=True) as txn:
+                    while i < n and pending < _LMDB_TXN_BYTES:
+                        v = values[i]
+                        txn.put(lmdb_key(first + i), v if isinstance(v, bytes) else v.tobytes(),
+                                append=True)
+                        pending += _nbytes(v)
+                        i += 1
+            env.close()
+            return
+        except lmdb.MapFullError:
+            env.close()
+            map_size *= 2  # deterministic: the same input takes the same retries
+
+
+def _write_hdf5(path: str, first: int, values: Sequence, encoding: str) -> None:
+    import h5py
+    if os.path.exists(path):
+        os.remove(path)
+    with h5py.File(path, "w", libver="earliest", track_order=False) as f:
+        f.attrs["first"] = np.int64(first)
+        f.attrs["count"] = np.int64(len(values))
+        f.attrs["encoding"] = encoding
+        if encoding == "array":
+            arr = np.stack(values) if values else np.zeros((0,))
+            f.create_dataset("samples", data=arr, track_times=False)
+        else:
+            offsets = np.zeros(len(values) + 1, dtype=np.int64)
+            np.cumsum([len(v) for v in values], out=offsets[1:])
+            data = np.frombuffer(b"".join(values), dtype=np.uint8)
+            f.create_dataset("data", data=data, track_times=False)
+            f.create_dataset("offsets", data=offsets, track_times=False)
+
+
+def pack(source, out: str, *, format: str = "lmdb", shard_bytes: int = DEFAULT_SHARD_BYTES,
+         labels: Sequence[int] | None = None, label_from_parent: bool = False,
+         encoding: str | None = None, overwrite: bool = False, progress: bool = True,
+         ) -> mf.Manifest:
+    """Pack ``source`` into the data set directory ``out``; return its manifest.
+
+    Args:
+        source: a folder (every file below it is a sample, key = its relative path, in sorted
+            order), a numpy array or tensor (samples along axis 0, keys "0", "1", ...), or an
+            iterable of ``(key, value)`` or ``(key, value, label)`` with bytes or array values.
+        out: the directory to create. It must not exist or be empty, unless ``overwrite``.
+        format: ``"lmdb"`` or ``"hdf5"``.
+        shard_bytes: target payload bytes per shard: a shard takes samples in order while
+            they fit (a sample larger than this gets a shard of its own). Files are a little
+            larger than their payload (LMDB pages, HDF5 headers).
+        labels: one int label per sample (array and iterable sources).
+        label_from_parent: folder sources: label = index of the file's parent folder in the
+            sorted list of parent folders (ImageFolder-style; names kept as ``classes``).
+        encoding: ``"bytes"``, ``"array"`` (one dtype and shape) or ``"npy"`` (arrays that
+            vary); default: from the first value.
+        progress: show a tqdm bar (stderr).
+
+    Called by one process; needs no MPI.
+    """
+    if format not in mf.STORAGES:
+        raise ValueError(f"pack: format={format!r}, expected one of {list(mf.STORAGES)}")
+    if not isinstance(shard_bytes, int) or shard_bytes < 1:
+        raise ValueError(f"pack: shard_bytes={shard_bytes!r}, expected a positive int (bytes)")
+    out = os.fspath(out)
+    if os.path.isdir(out) and os.listdir(out):
+        if not overwrite:
+            raise FileExistsError(f"pack: output directory {out!r} is not empty; choose a new "
+                                  f"path or pass overwrite=True (--overwrite)")
+        _clear_dataset_dir(out)
+    os.makedirs(out, exist_ok=True)
+    src = _normalise(source, labels, label_from_parent)
+    enc = _Encoder(encoding or src.encoding)
+    if enc.encoding == "array" and src.dtype is not None:
+        enc.dtype, enc.shape = src.dtype, src.shape
+
+    from tqdm import tqdm
+    bar = tqdm(total=src.total, unit="sample", desc=f"pack {os.path.basename(out) or out}",
+               disable=not progress, mininterval=0.5)
+    keys: list[str] = []
+    seen: set[str] = set()
+    all_labels: list = []
+    shards: list[dict] = []
+    pending: list = []
+    pending_bytes = 0
+    t0 = time.perf_counter()
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if not pending:
+            return
+        idx = len(shards)
+        name = mf.shard_name(idx, format)
+        path = os.path.join(out, name)
+        first = len(keys) - len(pending)
+        if format == "lmdb":
+            _write_lmdb(path, first, pending)
+        else:
+            _write_hdf5(path, first, pending, enc.encoding)
+        shards.append({"name": name, "first": first, "count": len(pending),
+                       "bytes": os.path.getsize(path), "sha256": mf.file_sha256(path)})
+        pending, pending_bytes = [], 0
+
+    try:
+        for i, (key, value, label) in enumerate(src.it):
+            key = str(key)
+            if key in seen:
+                raise ValueError(f"pack: key {key!r} appears twice (samples must have unique keys)")
+            seen.add(key)
+            payload = enc(i, key, value)
+            if pending and pending_bytes + _nbytes(payload) > shard_bytes:
+                flush()
+            keys.append(key)
+            all_labels.append(label)
+            pending.append(payload)
+            pending_bytes += _nbytes(payload)
+            if pending_bytes >= shard_bytes:
+                flush()
+            bar.update(1)
+        flush()
+    finally:
+        bar.close()
+
+    have = [lab is not None for lab in all_labels]
+    if any(have) and not all(have):
+        raise ValueError(f"pack: {have.count(False)} of {len(have)} samples have no label; give "
+                         f"every sample a label or none")
+    doc = {
+        "format": mf.FORMAT, "format_version": mf.FORMAT_VERSION, "storage": format,
+        "encoding": enc.encoding or "bytes", "num_samples": len(keys), "keys": keys,
+        "labels": [int(x) for x in all_labels] if keys and all(have) else None,
+        "classes": src.classes,
+        "dtype": None if enc.dtype is None else enc.dtype.str,
+        "shape": None if enc.shape is None else list(enc.shape),
+        "shard_bytes_target": shard_bytes, "checksum": mf.HASH, "shards": shards,
+        "total_bytes": sum(s["bytes"] for s in shards),
+    }
+    if doc["encoding"] == "array" and doc["dtype"] is None:
+        doc["encoding"] = "bytes"  # empty array source: nothing to describe
+    mf.validate(doc, f"pack({out})")
+    raw = mf.dumps(doc)
+    mf.write_atomic(os.path.join(out, mf.MANIFEST), raw)
+    m = mf.Manifest(doc, raw)
+    m.pack_seconds = time.perf_counter() - t0
+    return m
+
+
+def _clear_dataset_dir(out: str) -> None:
+    """Remove what a previous pack wrote (manifest, shards, markers); refuse anything else."""
+    names = os.listdir(out)
+    ours = [n for n in names if n in (mf.MANIFEST, mf.READY, mf.STAGING)
+            or (n.startswith("shard-") and n.endswith((".lmdb", ".h5", ".lmdb-lock")))
+            or n.endswith(mf.PARTIAL_SUFFIX)]
+    others = sorted(set(names) - set(ours))
+    if others:
+        raise FileExistsError(f"pack: overwrite=True but {out!r} holds files that are not a "
+                              f"packed data set ({others[:5]}{'...' if len(others) > 5 else ''}); "
+                              f"refusing to delete them")
+    for n in ours:
+        os.remove(os.path.join(out, n))
