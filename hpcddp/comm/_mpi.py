@@ -1,19 +1,23 @@
 """The one place hpcddp imports ``mpi4py.MPI``.
 
-mpi4py initialises MPI when ``mpi4py.MPI`` is first imported unless told otherwise. We tell it
-otherwise, so that importing any hpcddp module (a DataLoader worker importing hpcddp.data, a
-`hpcddp --help`) never starts MPI; :func:`hpcddp.comm.init` starts it explicitly, asking for
-MPI_THREAD_MULTIPLE because DDP calls collectives from autograd threads. If the user's script
-imported mpi4py.MPI first, MPI is already running and we leave mpi4py's settings alone.
+Importing this module starts MPI (mpi4py's behaviour), asking for MPI_THREAD_MULTIPLE because
+DDP runs collectives from autograd threads (``HPCDDP_THREAD_LEVEL`` asks for another level).
+That is why nothing on hpcddp's import path imports it: ``import hpcddp``, ``hpcddp --help``,
+a DataLoader worker importing hpcddp.data never start MPI; :func:`hpcddp.init` does.
+
+We do not defer MPI_Init past this import (mpi4py's ``rc.initialize = False``): any code that
+later does ``from mpi4py import MPI`` (the user's script, pytest-mpi) would get an MPI that was
+never started and abort on its first call.
 """
+import os
 import sys
 
 import mpi4py
 
-if "mpi4py.MPI" not in sys.modules:
-    mpi4py.rc.initialize = False
-    mpi4py.rc.finalize = False
+STARTED_HERE = "mpi4py.MPI" not in sys.modules
+if STARTED_HERE:
+    mpi4py.rc.thread_level = os.environ.get("HPCDDP_THREAD_LEVEL", "multiple")
 
 from mpi4py import MPI  # noqa: E402
 
-__all__ = ["MPI"]
+__all__ = ["MPI", "STARTED_HERE"]

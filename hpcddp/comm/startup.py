@@ -45,7 +45,7 @@ _lock = threading.Lock()
 
 
 def _mpi_library() -> tuple[str, str]:
-    text = MPI.Get_library_version().strip().splitlines()[0]
+    text = MPI.Get_library_version().strip("\x00 \n").splitlines()[0].strip()
     lower = text.lower()
     for key, name in (("open mpi", "Open MPI"), ("cray mpich", "Cray MPICH"),
                       ("mvapich", "MVAPICH"), ("mpich", "MPICH"), ("intel", "Intel MPI")):
@@ -54,12 +54,12 @@ def _mpi_library() -> tuple[str, str]:
     return text.split(",")[0], text
 
 
-def init(*, thread_level: str = "multiple", abort_on_exception: bool = False,
+def init(*, abort_on_exception: bool = False,
          set_cuda_device: bool = True, timeout: float | None = None) -> Runtime:
     """Start MPI (if needed) and hpcddp's world. Idempotent; call on every rank.
 
-    thread_level: what to ask MPI for ("multiple" by default); what was granted is in
-        ``Runtime.thread_level`` and a warning is printed if it is lower than "multiple".
+    MPI is asked for MPI_THREAD_MULTIPLE (``HPCDDP_THREAD_LEVEL`` asks for another level);
+    what was granted is in ``Runtime.thread_level``, with a warning if it is lower.
     abort_on_exception: an uncaught exception on any rank prints its traceback with the
         rank prefix and aborts the whole job (MPI_Abort) instead of leaving the others waiting.
     set_cuda_device: with CUDA, ``torch.cuda.set_device(local_rank % device_count)``.
@@ -68,7 +68,7 @@ def init(*, thread_level: str = "multiple", abort_on_exception: bool = False,
     global _runtime
     with _lock:
         if _runtime is None:
-            _runtime = _start(thread_level)
+            _runtime = _start(os.environ.get("HPCDDP_THREAD_LEVEL", "multiple"))
         rt = _runtime
     if timeout is not None:
         os.environ["HPCDDP_TIMEOUT"] = str(timeout)
@@ -86,12 +86,14 @@ def _start(thread_level: str) -> Runtime:
                          f"got {thread_level!r}")
     from hpcddp.launch import detect
     launch = detect()  # raises LaunchEnvError on contradictory variables, before MPI starts
-    we_init = False
+    from hpcddp.comm._mpi import STARTED_HERE
+    we_init = STARTED_HERE
     if MPI.Is_finalized():
         raise RuntimeError("init: MPI was already finalized in this process; it cannot restart")
-    if not MPI.Is_initialized():
+    if not MPI.Is_initialized():  # someone set mpi4py.rc.initialize = False: start it now
         MPI.Init_thread(THREAD_LEVELS[thread_level])
         we_init = True
+    if we_init:
         atexit.register(_finalize_at_exit)
     granted = _LEVEL_NAMES.get(MPI.Query_thread(), str(MPI.Query_thread()))
     world = Communicator(MPI.COMM_WORLD.Dup(), "WORLD", list(range(MPI.COMM_WORLD.Get_size())))
