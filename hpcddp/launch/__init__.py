@@ -3,9 +3,12 @@
 ``detect()`` reads the variables that mpirun (Open MPI, MPICH/Hydra, MVAPICH), PMIx, srun,
 Cray PALS and torchrun set, and returns a :class:`LaunchInfo`, or ``None`` when the process was
 started by none of them (a singleton). Contradictory or partial variables raise
-:class:`LaunchEnvError` naming the variables seen.
+:class:`LaunchEnvError` naming the variables seen. The tables and precedence rules are in
+``hpcddp.launch.env``; docs/launching.md lists the variables per launcher.
 """
-from hpcddp.launch.env import LaunchEnvError, LaunchInfo, detect
-from hpcddp.launch.hostlist import expand_hostlist
+from hpcddp.launch.env import (LAUNCHER_OVERRIDE, LAUNCHERS, LaunchEnvError, LaunchInfo, detect,
+                               parse_tasks_per_node)
+from hpcddp.launch.hostlist import compress_hostlist, expand_hostlist
 
-__all__ = ["LaunchEnvError", "LaunchInfo", "detect", "expand_hostlist"]
+__all__ = ["LAUNCHER_OVERRIDE", "LAUNCHERS", "LaunchEnvError", "LaunchInfo", "compress_hostlist",
+           "detect", "expand_hostlist", "parse_tasks_per_node"]
