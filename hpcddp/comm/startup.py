@@ -95,6 +95,13 @@ def _start(thread_level: str) -> Runtime:
         we_init = True
     if we_init:
         atexit.register(_finalize_at_exit)
+    if launch is not None and launch.size not in (None, MPI.COMM_WORLD.Get_size()):
+        # the classic: `srun --mpi=pmi2` with an MPI built for PMIx gives N singletons
+        raise RuntimeError(
+            f"init: the launcher ({launch.launcher}) started {launch.size} ranks but MPI sees a "
+            f"world of {MPI.COMM_WORLD.Get_size()}: MPI did not connect to the launcher. Under "
+            f"Slurm use `srun --mpi=pmix` (see `srun --mpi=list`), or start with mpirun "
+            f"(docs/launching.md)")
     granted = _LEVEL_NAMES.get(MPI.Query_thread(), str(MPI.Query_thread()))
     world = Communicator(MPI.COMM_WORLD.Dup(), "WORLD", list(range(MPI.COMM_WORLD.Get_size())))
     _log.set_rank(world.rank)
