@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from hpcddp import collectives as C
 from hpcddp.collectives.work import CompletedWork, Work
+from hpcddp.comm.buffers import as_array
 from hpcddp.comm.communicator import Communicator
 
 from hpcddp.backend import BACKEND_NAME
@@ -67,7 +68,7 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
         if not tensors:
             return CompletedWork([])
         for i, t in enumerate(tensors):
-            C.gather.as_array(t, "allreduce_coalesced", f"tensors[{i}]")
+            as_array(t, "allreduce_coalesced", f"tensors[{i}]")
             if t.dtype != tensors[0].dtype:
                 raise TypeError(f"allreduce_coalesced: tensors[{i}] has dtype {t.dtype}, expected "
                                 f"{tensors[0].dtype} (one dtype per coalesced call)")
