@@ -33,12 +33,28 @@ def resolve(group, fn: str) -> Communicator:
                     f"None (the world), got {type(group).__name__}")
 
 
+_SUM = RedOpType.SUM
+_sum_cache: dict = {}
+
+
 def reduce_op(op, dtype: torch.dtype, fn: str):
-    """(MPI.Op, RedOpType) for OP on DTYPE, cached (the hot path)."""
-    key = (op if isinstance(op, RedOpType) else getattr(op, "op", op), dtype)
+    """(MPI.Op, RedOpType) for OP on DTYPE, cached (the hot path).
+
+    SUM, the op of nearly every call, is found by identity and dtype alone: hashing a
+    ReduceOp enum costs more than the rest of the lookup.
+    """
+    if op is _SUM:
+        hit = _sum_cache.get(dtype)
+        if hit is None:
+            hit = _sum_cache[dtype] = mpi_op(op, dtype, fn)
+        return hit
+    kind = getattr(op, "op", op)
+    key = (int(kind) if isinstance(kind, RedOpType) else kind, dtype)
     hit = _op_cache.get(key)
-    if hit is None:
-        hit = _op_cache[key] = mpi_op(op, dtype, fn)
+    if hit is None or kind is RedOpType.PREMUL_SUM:
+        hit = mpi_op(op, dtype, fn)
+        if kind is not RedOpType.PREMUL_SUM:
+            _op_cache[key] = hit
     return hit
 
 
