@@ -37,6 +37,10 @@ def _create(opts, pg_options=None):
     if given is not None:
         _pending_comm.comm = None
         comm = given
+        if comm.rank != opts.group_rank or comm.size != opts.group_size:
+            raise RuntimeError(f"group_from_comm: communicator rank {comm.rank} of {comm.size} "
+                               f"differs from torch's group rank {opts.group_rank} of "
+                               f"{opts.group_size}")
     elif not opts.global_ranks_in_group:
         comm = world
         if opts.group_size != world.size or opts.group_rank != world.rank:
@@ -172,6 +176,12 @@ def group_from_comm(comm, name: str | None = None):
     from hpcddp.comm.communicator import Communicator
     if not isinstance(comm, Communicator):
         comm = Communicator(comm, name or "")
+    ranks = list(comm.world_ranks)
+    if ranks != sorted(ranks):
+        # torch numbers a group's ranks in world order (new_group sorts the list it is given):
+        # renumber a duplicate of COMM the same way, or the group rank torch computes for a
+        # world rank would name another process here. Collective over COMM's members only.
+        comm = Communicator(comm.mpi.Split(0, ranks[comm.rank]), comm.name, sorted(ranks))
     if not dist.is_initialized():
         raise RuntimeError("group_from_comm: call hpcddp.init_process_group() (or "
                            "dist.init_process_group('hpcddp')) first")
