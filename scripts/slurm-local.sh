@@ -116,7 +116,7 @@ EOF
     [ "$GPUS" -gt 0 ] && echo "GresTypes=gpu"
     for name in $(node_names); do
         printf 'NodeName=%s NodeHostname=%s NodeAddr=127.0.0.1 Port=%s CPUs=%s%s State=UNKNOWN\n' \
-            "$name" "$HOST" "$port" "$CPUS" "$([ "$GPUS" -gt 0 ] && echo " Gres=gpu:$GPUS")"
+            "$name" "$name" "$port" "$CPUS" "$([ "$GPUS" -gt 0 ] && echo " Gres=gpu:$GPUS")"
         port=$((port + 1))
     done
     echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES"
@@ -133,6 +133,15 @@ make_fake_gpus() {
     local i; mkdir -p "$DIR/dev"
     for i in $(seq 0 $((GPUS - 1))); do
         [ -e "$DIR/dev/gpu$i" ] || mknod "$DIR/dev/gpu$i" c 1 3 2>/dev/null || touch "$DIR/dev/gpu$i"
+    done
+}
+
+add_hosts() {
+    # The emulated nodes' names resolve to this host (a job's rank 0 may publish its hostname).
+    local name
+    for name in $(node_names); do
+        grep -qE "^127\.0\.0\.1[[:space:]].*\b$name\b" /etc/hosts \
+            || echo "127.0.0.1 $name  # slurm-local.sh" >>/etc/hosts
     done
 }
 
@@ -226,12 +235,18 @@ rm -rf "$DIR/scratch/\$SLURMD_NODENAME/\$SLURM_JOB_ID"
 exit 0
 EOF
     chmod 755 "$DIR/taskprolog.sh" "$DIR/epilog.sh"
+    [ "$NODES" -gt 1 ] && add_hosts
     start_munge
     # -c: start clean (no jobs from a previous run of this cluster come back).
     slurmctld -c -i
     for name in $(node_names); do
+        if [ "$NODES" -le 1 ]; then slurmd -c; continue; fi
         # -N NAME: this slurmd is Slurm node NAME (its own port and spool from slurm.conf).
-        slurmd -c -N "$name"
+        # unshare -u: its own hostname too, so what runs on the node sees `hostname` = NAME.
+        # Open MPI decides which ranks share a node by comparing host names with the node map
+        # Slurm's PMIx server sends (node names): with the real hostname everywhere, ranks on
+        # one Slurm node are not "local" to each other (no shared memory, wrong local ranks).
+        unshare -u sh -c "hostname $name && exec slurmd -c -N $name"
     done
     wait_nodes_idle
     log "running: $(sinfo -h -o '%D node(s) %c CPUs each, partition %P' | head -n1)"

