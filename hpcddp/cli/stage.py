@@ -1,0 +1,69 @@
+"""`hpcddp stage`: copy a packed data set to node-local storage, reading the source once per
+node group (run it on every rank of the job)."""
+import argparse
+
+DESCRIPTION = """\
+Stage a packed data set (`hpcddp pack`) from the shared file system to node-local storage.
+Run it under mpirun/srun with the job's ranks: node leaders split the shards, each reads its
+own range once, and MPI carries every shard to every node of the group. Writes go to a
+temporary name, are checked against the manifest's SHA-256 and renamed; READY appears last.
+A re-run keeps verified shards (resume after a crash).
+
+    srun hpcddp stage /lustre/me/images.lmdb '$SLURM_TMPDIR/images'
+    mpirun -n 8 hpcddp stage /lustre/me/d /dev/shm/d --mode partition --group-nodes 4
+    HPCDDP_RANKS_PER_NODE=2 mpirun -n 4 hpcddp stage ./d '/tmp/d-{node}' --json -
+
+DEST may use $VARS ($SLURM_TMPDIR; quote it so the shell of each node expands nothing early),
+{node} (node index: needed when emulated nodes share one disk) and {host}.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hpcddp.cli.pack import parse_size
+    parser.add_argument("source", help="packed data set directory (shared file system)")
+    parser.add_argument("dest", help="node-local directory; may contain $VARS, {node}, {host}")
+    parser.add_argument("--mode", choices=("replicate", "partition"), default="replicate",
+                        help="replicate: every node gets everything (default); partition: "
+                             "each node of a group gets its own range of shards")
+    parser.add_argument("--group-nodes", type=int, metavar="K",
+                        help="nodes per group; the source is read once per group (default: "
+                             "all nodes in one group)")
+    parser.add_argument("--strategy", choices=("auto", "bcast", "allgather", "every-rank"),
+                        default="auto", help="how shards reach the group's nodes (auto: bcast); "
+                                             "every-rank is the baseline with no MPI traffic")
+    parser.add_argument("--chunk-size", type=parse_size, default="16M", metavar="SIZE",
+                        help="bytes per read and per message (default 16M)")
+    parser.add_argument("--verify", choices=("auto", "full", "size"), default="auto",
+                        help="shards already in DEST: auto hashes them unless a READY for this "
+                             "manifest vouches for them; full always hashes; size only stats")
+    parser.add_argument("--fsync", action="store_true", help="fsync each shard before renaming")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--json", metavar="PATH",
+                        help="write the summary as JSON (bytes_read_from_source, bytes_written, "
+                             "seconds, phases, ...); - is stdout; written by rank 0")
+    parser.add_argument("--quiet", action="store_true", help="no summary lines")
+
+
+def run(args) -> int:
+    import sys
+
+    from hpcddp.comm import init, log, world
+    from hpcddp.data.staging import StageError, stage, write_json
+    init()
+    rank = world().rank
+    try:
+        result = stage(args.source, args.dest, mode=args.mode, group_nodes=args.group_nodes,
+                       strategy=args.strategy, chunk_bytes=args.chunk_size, verify=args.verify,
+                       fsync=args.fsync, progress=not args.no_progress)
+    except (StageError, ValueError) as exc:
+        if rank == 0:
+            log(f"hpcddp stage: {exc}")
+        return 1
+    if rank == 0:
+        if not args.quiet:
+            for line in result.summary().splitlines():
+                print(f"[rank0] {line}", file=sys.stderr if args.json == "-" else sys.stdout,
+                      flush=True)
+        if args.json:
+            write_json(result, args.json)
+    return 0
