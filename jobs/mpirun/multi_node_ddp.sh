@@ -1,0 +1,94 @@
+#!/bin/bash
+# DDP across several machines with mpirun/mpiexec: one MPI rank per GPU.
+#
+# Run:   HOSTFILE=hosts NODES=2 bash jobs/mpirun/multi_node_ddp.sh --epochs 10
+# The hostfile lists one machine per line (Open MPI: "node01 slots=4"; Hydra: "node01:4").
+# Inside a Slurm/PBS/LSF allocation leave HOSTFILE empty: Open MPI's mpirun reads the node
+# list from the scheduler (Hydra: pass the scheduler's node file). The machines need the same
+# software at the same paths and passwordless ssh between them (or a scheduler that starts the
+# remote daemons). On Slurm prefer jobs/slurm/multi_node_ddp.sbatch. Guide: docs/jobs.md.
+
+# ---- settings (each may also come from the environment) -------------------------------------
+NODES=${NODES:-2}
+RANKS_PER_NODE=${RANKS_PER_NODE:-4}   # one per GPU
+CPUS_PER_RANK=${CPUS_PER_RANK:-1}
+HOSTFILE=${HOSTFILE:-}
+MPIRUN=${MPIRUN:-mpirun}
+SCRIPT=${SCRIPT:-train.py}
+ARGS=("$@")
+export CKPT_DIR=${CKPT_DIR:-$PWD/checkpoints/multi_node_ddp}   # on a shared filesystem
+
+set -euo pipefail
+export OMP_NUM_THREADS=$CPUS_PER_RANK
+
+# ---- launcher flags: Open MPI or Hydra (the same block in every jobs/mpirun script) ----------
+# mpi_cmd RANKS_PER_NODE TOTAL  ->  the launcher command line in the array MPI_CMD.
+# (`nproc` counts the cores this process may use; it also obeys OMP_NUM_THREADS, hence env -u.)
+mpi_cmd() {
+    local ppn=$1 total=$2 v
+    case "$("$MPIRUN" --version 2>&1)" in
+    *"Open MPI"*|*OpenRTE*)
+        # --map-by ppr:P:node:PE=C: P ranks per node, C cores each, each rank bound to its
+        # cores: MPI ranks busy-poll while they wait and must not migrate. More ranks than
+        # cores (a laptop, a test box): oversubscribe and do not bind.
+        MPI_CMD=("$MPIRUN" -n "$total")
+        if [ $((ppn * CPUS_PER_RANK)) -le "$(env -u OMP_NUM_THREADS nproc)" ]; then
+            MPI_CMD+=(--map-by "ppr:$ppn:node:PE=$CPUS_PER_RANK" --bind-to core)
+        else
+            MPI_CMD+=(--map-by "ppr:$ppn:node:OVERSUBSCRIBE" --bind-to none)
+        fi
+        if [ -n "${HOSTFILE:-}" ]; then MPI_CMD+=(--hostfile "$HOSTFILE"); fi
+        # Open MPI passes to other nodes only the variables named with -x.
+        for v in PATH LD_LIBRARY_PATH PYTHONPATH VIRTUAL_ENV OMP_NUM_THREADS CKPT_DIR TMPDIR \
+                 SCRATCH STAGED_DATA HPCDDP_DEBUG HPCDDP_TIMEOUT; do
+            if [ -n "${!v:-}" ]; then MPI_CMD+=(-x "$v"); fi
+        done
+        # Containers often run as root, which Open MPI refuses unless told.
+        if [ "$(id -u)" = 0 ]; then MPI_CMD+=(--allow-run-as-root); fi
+        ;;
+    *"Intel(R) MPI"*)
+        # Intel MPI's Hydra: -ppn ranks per node; pinning by domain of C cores; env passed on.
+        export I_MPI_PIN_DOMAIN=$CPUS_PER_RANK
+        MPI_CMD=("$MPIRUN" -n "$total" -ppn "$ppn")
+        if [ -n "${HOSTFILE:-}" ]; then MPI_CMD+=(-f "$HOSTFILE"); fi
+        ;;
+    *HYDRA*)
+        # MPICH's Hydra (MPICH, MVAPICH): -ppn ranks per node, -bind-to core:C; the whole
+        # environment is passed on by default.
+        MPI_CMD=("$MPIRUN" -n "$total" -ppn "$ppn" -bind-to "core:$CPUS_PER_RANK")
+        if [ -n "${HOSTFILE:-}" ]; then MPI_CMD+=(-f "$HOSTFILE"); fi
+        ;;
+    *)
+        echo "[job] $MPIRUN --version names no MPI this script knows: plain -n $total" >&2
+        MPI_CMD=("$MPIRUN" -n "$total")
+        ;;
+    esac
+}
+
+# Preemption: a scheduler's TERM (or a USR1) is passed to mpirun as USR1, which relays it to
+# every rank (Open MPI does; Hydra's mpiexec forwards USR1 too); the ranks checkpoint to
+# CKPT_DIR and exit (hpcddp.parallel.checkpoint). Run the script again to resume.
+on_signal() {
+    echo "[job] $(date +%T) signal: asking the ranks to checkpoint and exit"
+    if [ -n "${STEP_PID:-}" ]; then kill -USR1 "$STEP_PID" 2>/dev/null || true; wait "$STEP_PID" || true; fi
+    echo "[job] checkpoint in $CKPT_DIR: run this script again to resume"
+    exit 0
+}
+trap on_signal USR1 TERM
+# Steps run in the background and are waited for: bash runs a trap only between commands,
+# and `wait` returns as soon as a signal arrives.
+run_step() {
+    "$@" &
+    STEP_PID=$!
+    wait "$STEP_PID"
+}
+
+# Across machines the MPI library picks the network (UCX, libfabric/OFI, TCP). Ranks that hang
+# at start-up on machines with several networks: name the right one, e.g.
+# UCX_NET_DEVICES=mlx5_0:1 (Open MPI + UCX), --mca btl_tcp_if_include eth0 (Open MPI over TCP),
+# FI_PROVIDER=cxi (Slingshot), NCCL_SOCKET_IFNAME=ib0 (NCCL bootstrap).
+mpi_cmd "$RANKS_PER_NODE" $((NODES * RANKS_PER_NODE))
+mkdir -p "$CKPT_DIR"
+echo "[job] $(date +%T) ${MPI_CMD[*]} hpcddp run $SCRIPT ${ARGS[*]}"
+run_step "${MPI_CMD[@]}" hpcddp run "$SCRIPT" "${ARGS[@]}"
+echo "[job] $(date +%T) done"
