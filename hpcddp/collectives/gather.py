@@ -94,7 +94,7 @@ def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
                          f"is not the destination (dst={dst})")
     entry = record(comm, "gather", tensor.shape, tensor.dtype, dst)
     req = comm.mpi.Igather(as_array(tensor), None, root=dst)
-    return finish_or_work(async_op, entry, [req], [tensor])
+    return finish_or_work(async_op, entry, [req], [])  # gloo: no outputs off the root
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
