@@ -1,0 +1,194 @@
+"""hpcddp bench: the protocol and report code (no MPI), and small smoke jobs of each benchmark.
+
+Smoke jobs check that a benchmark completes and that every implementation computed the right
+result; they never assert on speed (docs/benchmarks.md has the figures).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hpcddp.bench import protocol, report
+from hpcddp.launch.mpirun import run_mpi
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HPCDDP_BENCH_PROGRESS="0")
+HPCDDP = [sys.executable, "-m", "hpcddp"]
+
+
+# -- protocol and report, no MPI ----------------------------------------------------------------
+
+@pytest.mark.parametrize("text,expected", [("4", 4), ("64B", 64), ("1K", 1024), ("32KiB", 32768),
+                                           ("25M", 25 << 20), ("64 MiB", 64 << 20),
+                                           ("1.5K", 1536)])
+def test_parse_size(text, expected):
+    assert protocol.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "K", "4X", "-1", "0"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError, match="size"):
+        protocol.parse_size(bad)
+
+
+def test_parse_sizes_range_and_list():
+    assert protocol.parse_sizes("4-1K") == [4, 64, 1024]
+    assert protocol.parse_sizes("1K,4,1K") == [4, 1024]
+    assert protocol.parse_sizes("1M-64M") == [1 << 20, 4 << 20, 25 << 20, 64 << 20]
+    with pytest.raises(ValueError, match="no default size"):
+        protocol.parse_sizes("5-6")
+
+
+def test_fmt_size():
+    assert [protocol.fmt_size(s) for s in (4, 1024, 25 << 20, 1536)] == \
+        ["4 B", "1 KiB", "25 MiB", "1.5 KiB"]
+
+
+def test_statistics():
+    assert protocol.median([3, 1, 2]) == 2
+    assert protocol.quantile([1, 2, 3, 4, 5], 0.25) == 2
+    assert math.isnan(protocol.median([]))
+    assert protocol.paired([2, 4, None], [1, 2, 3]) == [2, 2]
+    assert protocol.paired([2, 4], [1, 2], "diff") == [1, 2]
+    sp = protocol.spread([1, 2, 3, 4, 5])
+    assert (sp["median"], sp["min"], sp["max"], sp["n"]) == (3, 1, 5, 5)
+
+
+def _fake_comm(slow=1.0, gloo=100.0):
+    """A comm result as the benchmark writes it: two ops, three rounds (round 1 dropped)."""
+    cells = []
+    for op, size, f in (("all_reduce", 4, 1.0), ("all_reduce", 1 << 20, 1.0),
+                        ("all_gather", 1 << 20, 0.5)):
+        base = 2e-6 if size < 1024 else 2e-4
+        impls = {"mpi4py": {"k": 10, "times_s": [9.0, base, base * 1.1], "wrong": 0},
+                 "hpcddp": {"k": 10, "times_s": [9.0, base * 1.05 * slow, base * 1.1 * 1.05 * slow],
+                            "wrong": 0},
+                 "direct": {"k": 10, "times_s": [9.0, base * 1.2, base * 1.1 * 1.2], "wrong": 0},
+                 "gloo": {"k": 1, "times_s": [9.0, base * gloo, base * 1.1 * gloo], "wrong": 0},
+                 "memcpy": {"k": 10, "times_s": [9.0, base / 10, base / 10], "wrong": 0}}
+        cells.append({"op": op, "bytes": size, "busbw_factor": f, "impls": impls})
+    return {"kind": "hpcddp-bench-comm", "version": 1, "setup": {"ranks": 2}, "load": {},
+            "config": {"impls": ["mpi4py", "hpcddp", "direct", "gloo", "memcpy"], "ranks": 2,
+                       "discarded_rounds": 1}, "cells": cells}
+
+
+def test_summarize_paired_ratios_and_busbw():
+    r = report.summarize(_fake_comm())
+    c = r["cells"][1]
+    assert c["ratios"]["hpcddp/mpi4py"]["median"] == pytest.approx(1.05)
+    assert c["ratios"]["gloo/hpcddp"]["median"] == pytest.approx(100 / 1.05)
+    assert c["stats"]["mpi4py"]["median_us"] == pytest.approx(210.0)
+    assert c["stats"]["mpi4py"]["busbw_GBps"] == pytest.approx((1 << 20) / 210e-6 / 1e9)
+    # memcpy fraction: busbw over memcpy bandwidth; all_gather's factor is (n-1)/n
+    g = r["cells"][2]
+    assert g["ratios"]["mpi4py:memcpy"]["median"] == pytest.approx(0.5 * 0.1 / 1.0, rel=0.1)
+    assert r["cells"][0]["ratios"]["hpcddp-mpi4py_us"]["median"] == pytest.approx(0.105, rel=0.01)
+
+
+def test_tables_and_targets():
+    r = report.summarize(_fake_comm())
+    text = report.comm_table(r)
+    assert "all_reduce" in text and "µs" in text and "GB/s" in text and "ok" in text
+    md = report.comm_table(r, markdown=True)
+    assert md.count("| 4 B |") == 1
+    targets = report.comm_targets(r)
+    names = {t["target"] for t in targets}
+    assert any("≤ 10 µs" in n for n in names) and any("30×" in n for n in names)
+    # hpcddp is 1.05x mpi4py's time (busbw 0.95x: holds), direct 1.2x (misses)
+    assert all(t["ok"] for t in targets if "hpcddp busbw ≥ 0.95" in t["target"])
+    assert not any(t["ok"] for t in targets if "direct busbw ≥ 0.95" in t["target"])
+    assert "targets:" in report.targets_text(targets)
+
+
+def test_compare_flags_only_real_regressions(tmp_path):
+    old = report.summarize(_fake_comm())
+    same, _ = report.compare(report.summarize(_fake_comm()), old)
+    assert same == []
+    worse, text = report.compare(report.summarize(_fake_comm(slow=1.2)), old)
+    assert {r["metric"] for r in worse} >= {"hpcddp/mpi4py"}
+    assert "REGRESSED" in text
+    slower_gloo_is_not_ours, _ = report.compare(report.summarize(_fake_comm(gloo=200.0)), old)
+    assert slower_gloo_is_not_ours == []
+    path = tmp_path / "old.json"
+    report.write_json(old, str(path))
+    assert report.read_json(str(path))["cells"][0]["ratios"]
+
+
+def test_compare_rejects_other_kinds():
+    with pytest.raises(ValueError, match="ddp"):
+        report.compare(_fake_comm(), {"kind": "hpcddp-bench-ddp", "models": []})
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "c.png"
+    report.plot_comm(report.summarize(_fake_comm()), str(out))
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_help_is_light():
+    res = subprocess.run(HPCDDP + ["bench", "--help"], capture_output=True, text=True,
+                         timeout=120, env=ENV)
+    assert res.returncode == 0 and "comm" in res.stdout and "ddp" in res.stdout
+
+
+def test_cli_outside_a_job_explains(tmp_path):
+    env = {k: v for k, v in ENV.items() if not k.startswith(("OMPI_", "PMIX_", "SLURM_", "PMI_"))}
+    res = subprocess.run(HPCDDP + ["bench", "comm"], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert res.returncode == 2 and "--np 2" in res.stderr
+
+
+# -- smoke jobs ---------------------------------------------------------------------------------
+
+def _job(argv, timeout=400, n=2):
+    res = run_mpi(n, HPCDDP + ["bench"] + argv, timeout=timeout, env=ENV)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-6000:]}\n{res.stderr[-6000:]}"
+    return res
+
+
+def test_comm_smoke_every_op_and_impl(tmp_path):
+    out, png = tmp_path / "comm.json", tmp_path / "comm.png"
+    argv = ["comm", "--sizes", "4,64K", "--rounds", "2", "--batch-ms", "0.2",
+            "--impls", "mpi4py,hpcddp,direct,gloo,memcpy,hpcddp-async", "--json", str(out)]
+    if pytest.importorskip("matplotlib"):
+        argv += ["--plot", str(png)]
+    res = _job(argv)
+    result = json.loads(out.read_text())
+    from hpcddp.bench.comm import OPS
+    assert {c["op"] for c in result["cells"]} == set(OPS)
+    for c in result["cells"]:
+        for name, rec in c["impls"].items():
+            assert not rec.get("wrong"), f"{c['op']} {c['bytes']} B: {name} computed a wrong result"
+            if name in ("mpi4py", "hpcddp", "direct", "memcpy"):
+                assert "times_s" in rec, (c["op"], name, rec)
+    assert result["setup"]["ranks"] == 2 and result["load"]["wall_s"] > 0
+    assert "all_reduce" in res.stdout and "targets:" in res.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    # a run compared with itself never regresses
+    again = subprocess.run(HPCDDP + ["bench", "report", str(out), "--compare", str(out)],
+                           capture_output=True, text=True, timeout=120, env=ENV)
+    assert again.returncode == 0 and "0 row(s)" in again.stdout
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="uses the embedded Open MPI's mpirun")
+def test_comm_np_starts_its_own_job(tmp_path):
+    env = {k: v for k, v in ENV.items() if not k.startswith(("OMPI_", "PMIX_", "SLURM_", "PMI_"))}
+    res = subprocess.run(HPCDDP + ["bench", "comm", "--np", "2", "--ops", "all_reduce",
+                                   "--sizes", "4", "--rounds", "2", "--batch-ms", "0.2",
+                                   "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert json.loads((tmp_path / "r.json").read_text())["cells"][0]["op"] == "all_reduce"
+
+
+def test_ddp_smoke(tmp_path):
+    out = tmp_path / "ddp.json"
+    res = _job(["ddp", "--models", "tiny", "--rounds", "2", "--steps", "2", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["correct"] is True
+    row = result["models"][0]
+    assert row["model"] == "tiny" and set(row["stats"]) == {"hpcddp", "gloo", "compute"}
+    assert "steps/s" in res.stdout
