@@ -9,6 +9,8 @@ import torch
 from hpcddp.collectives import _large
 from hpcddp.collectives._common import (as_array, check_list, finish_or_work, record, resolve,
                                         same_spec)
+from hpcddp.collectives import _device
+from hpcddp.comm.buffers import DeviceTensor
 
 
 def _splits(splits, total_rows: int, n: int, fn: str, arg: str) -> list[int]:
@@ -35,8 +37,12 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     """
     fn = "all_to_all_single"
     comm = resolve(group, fn)
-    out = as_array(output, fn, "output")
-    inp = as_array(input, fn, "input")
+    try:
+        out = as_array(output, fn, "output")
+        inp = as_array(input, fn, "input")
+    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
+        return _device.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                         comm, async_op)
     if input.dtype != output.dtype:
         raise TypeError(f"{fn}: output has dtype {output.dtype}, expected {input.dtype} (input's)")
     n = comm.size
@@ -70,6 +76,10 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     check_list(input_tensor_list, n, fn, "input_tensor_list")
     check_list(output_tensor_list, n, fn, "output_tensor_list")
     ref = input_tensor_list[0]
+    try:
+        as_array(ref, fn, "input_tensor_list[0]")
+    except DeviceTensor:
+        return _device.all_to_all(output_tensor_list, input_tensor_list, comm, async_op)
     same_spec(input_tensor_list, ref, fn, "input_tensor_list", same_shape=False)
     same_spec(output_tensor_list, ref, fn, "output_tensor_list", same_shape=False)
     flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])

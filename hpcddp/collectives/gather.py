@@ -11,6 +11,8 @@ import torch
 from hpcddp.collectives import _large
 from hpcddp.collectives._common import (as_array, check_list, finish_or_work, record,
                                         record_end, resolve, same_spec)
+from hpcddp.collectives import _device
+from hpcddp.comm.buffers import DeviceTensor
 
 
 def broadcast(tensor, src, group=None, async_op=False):
@@ -20,7 +22,10 @@ def broadcast(tensor, src, group=None, async_op=False):
     """
     comm = resolve(group, "broadcast")
     comm.check_rank(src, "broadcast", "src")
-    arr = as_array(tensor, "broadcast", "tensor")
+    try:
+        arr = as_array(tensor, "broadcast", "tensor")
+    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
+        return _device.broadcast(tensor, src, comm, async_op)
     entry = record(comm, "broadcast", tensor.shape, tensor.dtype, src)
     if not async_op:
         try:
@@ -28,7 +33,7 @@ def broadcast(tensor, src, group=None, async_op=False):
         except _large.REFUSED:  # over MPI's count limit: pieces (costs nothing until then)
             if not _large.too_big(arr):
                 raise
-            _large.wait(_large.bcast(comm, arr, src))
+            _large.bcast_now(comm, arr, src)
         record_end(entry)
         return None
     reqs = _large.bcast(comm, arr, src) if _large.too_big(arr) else [comm.mpi.Ibcast(arr, root=src)]
@@ -41,8 +46,11 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     output_tensor: n * input.numel() elements (n stacked or concatenated blocks).
     """
     comm = resolve(group, "all_gather_into_tensor")
-    out = as_array(output_tensor, "all_gather_into_tensor", "output_tensor")
-    inp = as_array(input_tensor, "all_gather_into_tensor", "input_tensor")
+    try:
+        out = as_array(output_tensor, "all_gather_into_tensor", "output_tensor")
+        inp = as_array(input_tensor, "all_gather_into_tensor", "input_tensor")
+    except DeviceTensor:
+        return _device.all_gather_into_tensor(output_tensor, input_tensor, comm, async_op)
     if output_tensor.dtype != input_tensor.dtype:
         raise TypeError(f"all_gather_into_tensor: output_tensor has dtype {output_tensor.dtype}, "
                         f"expected {input_tensor.dtype} (input_tensor's)")
@@ -67,7 +75,10 @@ def _scatter_copy(flat: torch.Tensor, outputs) -> None:
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     """Every rank's TENSOR into TENSOR_LIST (one tensor per rank, rank order), on every rank."""
     comm = resolve(group, "all_gather")
-    as_array(tensor, "all_gather", "tensor")
+    try:
+        as_array(tensor, "all_gather", "tensor")
+    except DeviceTensor:
+        return _device.all_gather(tensor_list, tensor, comm, async_op)
     check_list(tensor_list, comm.size, "all_gather", "tensor_list")
     same_spec(tensor_list, tensor, "all_gather", "tensor_list", same_shape=False)
     for i, t in enumerate(tensor_list):
@@ -89,7 +100,10 @@ def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
     """
     comm = resolve(group, "gather")
     comm.check_rank(dst, "gather", "dst")
-    as_array(tensor, "gather", "tensor")
+    try:
+        as_array(tensor, "gather", "tensor")
+    except DeviceTensor:
+        return _device.gather(tensor, gather_list, dst, comm, async_op)
     if comm.rank == dst:
         check_list(gather_list, comm.size, "gather", "gather_list")
         same_spec(gather_list, tensor, "gather", "gather_list")
@@ -117,7 +131,10 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
     """
     comm = resolve(group, "scatter")
     comm.check_rank(src, "scatter", "src")
-    arr = as_array(tensor, "scatter", "tensor")
+    try:
+        arr = as_array(tensor, "scatter", "tensor")
+    except DeviceTensor:
+        return _device.scatter(tensor, scatter_list, src, comm, async_op)
     if comm.rank == src:
         check_list(scatter_list, comm.size, "scatter", "scatter_list")
         same_spec(scatter_list, tensor, "scatter", "scatter_list")

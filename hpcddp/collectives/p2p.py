@@ -7,6 +7,8 @@ from __future__ import annotations
 from hpcddp.collectives._common import as_array, finish_or_work, record, record_end, resolve
 from hpcddp.collectives import _large
 from hpcddp.collectives.work import Work
+from hpcddp.collectives import _device
+from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.comm._mpi import MPI
 
 _tag_ub: int | None = None
@@ -33,7 +35,10 @@ def isend(tensor, dst, group=None, tag=0):
     """Start sending TENSOR to group rank DST; returns a Work (wait before reusing TENSOR)."""
     comm = resolve(group, "isend")
     _check_peer(comm, dst, "isend", "dst")
-    arr = as_array(tensor, "isend", "tensor")
+    try:
+        arr = as_array(tensor, "isend", "tensor")
+    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
+        return _device.isend(tensor, dst, comm, tag)
     _check_tag(tag, "isend")
     entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
     reqs = (_large.send(comm.mpi, arr, dst, tag) if _large.too_big(arr)
@@ -45,7 +50,10 @@ def send(tensor, dst, group=None, tag=0):
     """Send TENSOR to group rank DST; returns when TENSOR may be reused."""
     comm = resolve(group, "send")
     _check_peer(comm, dst, "send", "dst")
-    arr = as_array(tensor, "send", "tensor")
+    try:
+        arr = as_array(tensor, "send", "tensor")
+    except DeviceTensor:
+        return _device.send(tensor, dst, comm, tag)
     _check_tag(tag, "send")
     entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
     if _large.too_big(arr):
@@ -60,7 +68,10 @@ def irecv(tensor, src=None, group=None, tag=0):
     ``source_rank()`` names the sender once complete."""
     comm = resolve(group, "irecv")
     source = MPI.ANY_SOURCE if src is None else _check_peer(comm, src, "irecv", "src")
-    arr = as_array(tensor, "irecv", "tensor")
+    try:
+        arr = as_array(tensor, "irecv", "tensor")
+    except DeviceTensor:
+        return _device.irecv(tensor, src, comm, tag)
     _check_tag(tag, "irecv")
     big = _large.too_big(arr)
     if big and src is None:
@@ -78,7 +89,10 @@ def recv(tensor, src=None, group=None, tag=0) -> int:
     """Receive into TENSOR from group rank SRC (None: any rank). Returns the sender's rank."""
     comm = resolve(group, "recv")
     source = MPI.ANY_SOURCE if src is None else _check_peer(comm, src, "recv", "src")
-    arr = as_array(tensor, "recv", "tensor")
+    try:
+        arr = as_array(tensor, "recv", "tensor")
+    except DeviceTensor:
+        return _device.recv(tensor, src, comm, tag)
     _check_tag(tag, "recv")
     entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
     if _large.too_big(arr):

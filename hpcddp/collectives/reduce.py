@@ -13,6 +13,8 @@ from hpcddp.collectives import _large
 from hpcddp.collectives._common import (IN_PLACE, as_array, check_list, finish_or_work,
                                         post_reduce, pre_reduce, record, record_end,
                                         reduce_op, resolve, same_spec)
+from hpcddp.collectives import _device
+from hpcddp.comm.buffers import DeviceTensor
 
 SUM = dist.ReduceOp.SUM
 
@@ -23,7 +25,10 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
     Rank r holds x_r before; every rank holds op(x_0, ..., x_{n-1}) after.
     """
     comm = resolve(group, "all_reduce")
-    arr = as_array(tensor, "all_reduce", "tensor")
+    try:
+        arr = as_array(tensor, "all_reduce", "tensor")
+    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
+        return _device.all_reduce(tensor, op, comm, async_op)
     mop, kind = reduce_op(op, tensor.dtype, "all_reduce")
     entry = record(comm, "all_reduce", tensor.shape, tensor.dtype)
     if kind is not SUM_KIND:
@@ -34,7 +39,7 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
         except _large.REFUSED:  # over MPI's count limit: pieces (costs nothing until then)
             if not _large.too_big(arr):
                 raise
-            _large.wait(_large.allreduce(comm, arr, mop))
+            _large.allreduce_now(comm, arr, mop)
         if kind is not SUM_KIND:
             post_reduce(tensor, kind, comm.size)
         record_end(entry)
@@ -55,7 +60,10 @@ def reduce(tensor, dst, op=SUM, group=None, async_op=False):
     """
     comm = resolve(group, "reduce")
     comm.check_rank(dst, "reduce", "dst")
-    arr = as_array(tensor, "reduce", "tensor")
+    try:
+        arr = as_array(tensor, "reduce", "tensor")
+    except DeviceTensor:
+        return _device.reduce(tensor, dst, op, comm, async_op)
     mop, kind = reduce_op(op, tensor.dtype, "reduce")
     entry = record(comm, "reduce", tensor.shape, tensor.dtype, dst)
     root = comm.rank == dst
@@ -82,8 +90,11 @@ def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
     r-th block in OUTPUT after.
     """
     comm = resolve(group, "reduce_scatter_tensor")
-    out = as_array(output, "reduce_scatter_tensor", "output")
-    inp = as_array(input, "reduce_scatter_tensor", "input")
+    try:
+        out = as_array(output, "reduce_scatter_tensor", "output")
+        inp = as_array(input, "reduce_scatter_tensor", "input")
+    except DeviceTensor:
+        return _device.reduce_scatter_tensor(output, input, op, comm, async_op)
     if input.dtype != output.dtype:
         raise TypeError(f"reduce_scatter_tensor: input has dtype {input.dtype}, expected "
                         f"{output.dtype} (output's)")
@@ -107,7 +118,10 @@ def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
 def reduce_scatter(output, input_list, op=SUM, group=None, async_op=False):
     """Like reduce_scatter_tensor with INPUT_LIST[r] as block r (one tensor per rank)."""
     comm = resolve(group, "reduce_scatter")
-    as_array(output, "reduce_scatter", "output")
+    try:
+        as_array(output, "reduce_scatter", "output")
+    except DeviceTensor:
+        return _device.reduce_scatter(output, input_list, op, comm, async_op)
     check_list(input_list, comm.size, "reduce_scatter", "input_list")
     same_spec(input_list, output, "reduce_scatter", "input_list")
     flat = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)

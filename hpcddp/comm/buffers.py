@@ -44,9 +44,20 @@ class TensorError(TypeError):
     """A tensor argument that no MPI op can take (wrong type, layout, device, dtype, memory)."""
 
 
+class DeviceTensor(TensorError):
+    """Raised by :func:`as_array` for a CUDA tensor: its memory is not host memory. The ops
+    catch it and take their device path (hpcddp.collectives._device), which passes a device
+    pointer only to a CUDA-aware MPI and otherwise stages through pinned host memory. Code
+    that does not catch it fails here, before any message, instead of crashing MPI."""
+
+
+class DevicePointerRefused(TensorError):
+    """A device pointer was about to reach an MPI that is not known to be CUDA-aware."""
+
+
 def check_tensor(t, fn: str, arg: str) -> None:
-    """Raise TensorError naming FN and ARG unless T is a dense, contiguous CPU tensor of a
-    supported dtype. Runs on the calling rank before any message is sent."""
+    """Raise TensorError naming FN and ARG unless T is a dense, contiguous CPU or CUDA tensor
+    of a supported dtype. Runs on the calling rank before any message is sent."""
     if not isinstance(t, torch.Tensor):
         raise TensorError(f"{fn}: {arg} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -57,8 +68,9 @@ def check_tensor(t, fn: str, arg: str) -> None:
         if dev == "meta":
             raise TensorError(f"{fn}: {arg} is a meta tensor (it has no data); "
                               f"materialise it with .to_empty(device='cpu') first")
-        raise TensorError(f"{fn}: {arg} is on device {t.device}, but this group serves CPU tensors; "
-                          f"use a CUDA-capable group (docs/gpu.md) or move it with .cpu()")
+        if dev != "cuda":  # CUDA tensors take the device path (hpcddp.comm.cuda, docs/gpu.md)
+            raise TensorError(f"{fn}: {arg} is on device {t.device}; hpcddp serves CPU and "
+                              f"CUDA tensors: move it with .cpu()")
     if t.dtype not in NUMPY_DTYPE:
         raise TensorError(f"{fn}: {arg} has dtype {t.dtype}, expected one of {_dtype_names}")
     if t.is_conj() or t.is_neg():
@@ -77,11 +89,18 @@ def _forget(key: int, ref) -> None:
 
 
 def as_array(t: torch.Tensor, fn: str = "hpcddp", arg: str = "tensor") -> np.ndarray:
-    """A 1-D numpy array over T's memory (no copy, no ownership), validated and cached."""
+    """A 1-D numpy array over T's memory (no copy, no ownership), validated and cached.
+
+    CPU tensors only: a CUDA tensor raises :class:`DeviceTensor` (never a view of device
+    memory), which the ops catch to take their device path."""
     entry = _views.get(id(t))
     if entry is not None and entry[0]() is t and entry[1] == t.data_ptr():
         return entry[2]
     check_tensor(t, fn, arg)
+    if not t.is_cpu:
+        # only on this cache-miss path: CPU tensors never pay for the CUDA branch
+        raise DeviceTensor(f"{fn}: {arg} is on {t.device}: device memory is not a host "
+                           f"buffer (the ops route CUDA tensors through hpcddp.comm.cuda)")
     n = t.numel()
     np_dtype = NUMPY_DTYPE[t.dtype]
     if n == 0:
@@ -103,6 +122,9 @@ def same_spec(tensors, ref: torch.Tensor, fn: str, arg: str, *, same_shape: bool
         if t.dtype != ref.dtype:
             raise TensorError(f"{fn}: {arg}[{i}] has dtype {t.dtype}, expected {ref.dtype} "
                               f"(all tensors of one op share a dtype)")
+        if t.device != ref.device:
+            raise TensorError(f"{fn}: {arg}[{i}] is on {t.device}, expected {ref.device} "
+                              f"(all tensors of one op are on one device)")
         if same_shape and t.shape != ref.shape:
             raise TensorError(f"{fn}: {arg}[{i}] has shape {list(t.shape)}, expected "
                               f"{list(ref.shape)}")
