@@ -39,7 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--data", default="",
                    help="a (staged) data directory: every rank reads all its files and reports "
                         "the bytes, proving the staging step put them on this node")
-    p.add_argument("--out", default="", help="rank 0 writes a JSON summary here")
+    p.add_argument("--out", default="",
+                   help="rank 0 writes a JSON summary here ($VARIABLES are expanded, e.g. "
+                        "$SLURM_ARRAY_TASK_ID)")
     p.add_argument("--fail-at-step", type=int, default=-1,
                    help="raise an exception at this step on the last rank (tests abort paths)")
     return p.parse_args(argv)
@@ -140,11 +142,11 @@ def main(argv=None) -> int:
     if rank == 0:
         log(rank, f"done: {args.steps} steps, loss {loss.item():.4g}, nodes {summary['hosts']}")
         if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            tmp = args.out + ".tmp"
-            with open(tmp, "w") as f:
+            out = os.path.expandvars(args.out)
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            with open(out + ".tmp", "w") as f:
                 json.dump(summary, f)
-            os.replace(tmp, args.out)
+            os.replace(out + ".tmp", out)
     dist.destroy_process_group()
     return 0
 

@@ -28,8 +28,9 @@
 #   and jobcomp/filetxt writes one line per finished job to $SLURM_LOCAL_DIR/jobcomp.log.
 #   TmpFS per node (%n): slurmd's PMIx plugin makes its client dir "spmix_appdir_<job>.<step>"
 #   under TmpFS, so two slurmds sharing /tmp collide ("File exists") and srun --mpi=pmix fails.
-#   A TaskProlog exports SLURM_TMPDIR (a per-node, per-job scratch dir, as many sites do) and the
-#   Epilog removes it, so templates' node-local scratch logic is exercised as on a cluster.
+#   A TaskProlog exports SLURM_TMPDIR (a per-job scratch dir, as many sites do) and the Epilog
+#   removes it. With 2+ nodes each slurmd has its own hostname and its own scratch disk (UTS and
+#   mount namespaces), so staging to node-local scratch is exercised as on a cluster.
 set -euo pipefail
 
 NODES=${SLURM_LOCAL_NODES:-2}
@@ -37,8 +38,11 @@ CPUS=${SLURM_LOCAL_CPUS:-$(nproc)}
 GPUS=${SLURM_LOCAL_GPUS:-2}
 DIR=${SLURM_LOCAL_DIR:-/var/lib/slurm-local}
 CONF=/etc/slurm/slurm.conf
+MUNGE_PID=/run/munge/munged.pid   # munged runs as munge: its pid file lives where it may write
 HOST=$(hostname)
 MARK="# written by hpcddp scripts/slurm-local.sh"
+# A changed script (new prolog, new namespaces) must restart the daemons, as a changed config does.
+SELF_HASH=$(md5sum <"${BASH_SOURCE[0]}" | cut -c1-12)
 
 log() { echo "[slurm-local] $*" >&2; }
 die() { echo "[slurm-local] error: $*" >&2; exit 1; }
@@ -81,7 +85,7 @@ fix_pmix_link() {
 write_conf() {  # the full slurm.conf on stdout
     local port=6818 name
     cat <<EOF
-$MARK (SLURM_LOCAL_NODES=$NODES SLURM_LOCAL_CPUS=$CPUS SLURM_LOCAL_GPUS=$GPUS)
+$MARK (SLURM_LOCAL_NODES=$NODES SLURM_LOCAL_CPUS=$CPUS SLURM_LOCAL_GPUS=$GPUS script=$SELF_HASH)
 ClusterName=local
 SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
@@ -148,7 +152,7 @@ add_hosts() {
 pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 all_running() {
-    pid_alive "$DIR/run/munged.pid" || return 1
+    pid_alive "$MUNGE_PID" || return 1
     pid_alive "$DIR/run/slurmctld.pid" || return 1
     local name; for name in $(node_names); do pid_alive "$DIR/run/slurmd-$name.pid" || return 1; done
 }
@@ -170,12 +174,12 @@ do_stop() {
     local f
     for f in "$DIR"/run/slurmd-*.pid; do [ -e "$f" ] && stop_pidfile "$f"; done
     stop_pidfile "$DIR/run/slurmctld.pid"
-    stop_pidfile "$DIR/run/munged.pid"
+    stop_pidfile "$MUNGE_PID"
     log "stopped"
 }
 
 start_munge() {
-    pid_alive "$DIR/run/munged.pid" && return
+    pid_alive "$MUNGE_PID" && return
     # The package's postinst normally makes the key; make one if it did not (a copied image).
     if [ ! -s /etc/munge/munge.key ]; then
         dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 status=none
@@ -183,9 +187,8 @@ start_munge() {
     chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
     mkdir -p /run/munge /var/log/munge /var/lib/munge
     chown munge:munge /run/munge /var/log/munge /var/lib/munge
-    # --force: munged refuses to start over a stale socket or an unusual directory owner.
-    runuser -u munge -- munged --force --pid-file="$DIR/run/munged.pid" 2>/dev/null \
-        || munged --force --pid-file="$DIR/run/munged.pid"
+    # As the munge user (as the package's service does); --force: start over a stale socket.
+    runuser -u munge -- munged --force --pid-file="$MUNGE_PID"
     local i; for i in $(seq 50); do munge -n </dev/null | unmunge >/dev/null 2>&1 && return; sleep 0.2; done
     die "munged started but munge -n | unmunge fails"
 }
@@ -225,13 +228,13 @@ do_start() {
     if [ "$GPUS" -gt 0 ]; then make_fake_gpus; write_gres >/etc/slurm/gres.conf; else rm -f /etc/slurm/gres.conf; fi
     cat >"$DIR/taskprolog.sh" <<EOF
 #!/bin/sh
-# Per-node, per-job scratch, as sites provide it: templates read \$SLURM_TMPDIR.
-d=$DIR/scratch/\$SLURMD_NODENAME/\$SLURM_JOB_ID
+# Per-job scratch on the node's own disk, as sites provide it: templates read \$SLURM_TMPDIR.
+d=$DIR/scratch/\$SLURM_JOB_ID
 mkdir -p "\$d" && echo "export SLURM_TMPDIR=\$d"
 EOF
     cat >"$DIR/epilog.sh" <<EOF
 #!/bin/sh
-rm -rf "$DIR/scratch/\$SLURMD_NODENAME/\$SLURM_JOB_ID"
+rm -rf "$DIR/scratch/\$SLURM_JOB_ID"
 exit 0
 EOF
     chmod 755 "$DIR/taskprolog.sh" "$DIR/epilog.sh"
@@ -246,7 +249,12 @@ EOF
         # Open MPI decides which ranks share a node by comparing host names with the node map
         # Slurm's PMIx server sends (node names): with the real hostname everywhere, ranks on
         # one Slurm node are not "local" to each other (no shared memory, wrong local ranks).
-        unshare -u sh -c "hostname $name && exec slurmd -c -N $name"
+        # unshare -m: its own local disk too: $DIR/scratch (where SLURM_TMPDIR points) is
+        # $DIR/nodes/NAME/scratch underneath, so a job sees the same scratch path on every
+        # node, as on a real cluster, but each node's files are its own.
+        mkdir -p "$DIR/nodes/$name/scratch"
+        unshare -u -m sh -c "hostname $name && mount --make-rprivate / 2>/dev/null; \
+            mount --bind '$DIR/nodes/$name/scratch' '$DIR/scratch' && exec slurmd -c -N $name"
     done
     wait_nodes_idle
     log "running: $(sinfo -h -o '%D node(s) %c CPUs each, partition %P' | head -n1)"

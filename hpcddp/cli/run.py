@@ -53,9 +53,9 @@ def run_script(script, argv, *, module=None, abort_on_exception=True) -> int:
     """Run SCRIPT (a path) or MODULE as __main__ with sys.argv[1:] = ARGV; return its status.
 
     Call on every rank. Starts hpcddp (``hpcddp.init``) first and finalizes it after a clean
-    exit. An exception goes to ``sys.excepthook``, which abort-on-exception turned into
-    "print with the rank prefix, then MPI_Abort"; a non-zero sys.exit on one rank of a
-    parallel job aborts the job with that status, for the same reason.
+    exit. With ABORT_ON_EXCEPTION, an uncaught exception is printed with the rank prefix and
+    then MPI_Abort ends the whole job (exit status 1), and a non-zero sys.exit on one rank of
+    a parallel job aborts the job with that status: no rank is left waiting for this one.
     """
     import os
     import runpy
@@ -93,12 +93,19 @@ def run_script(script, argv, *, module=None, abort_on_exception=True) -> int:
         return code
     except BaseException:
         exc_type, exc, tb = sys.exc_info()
-        tb = _user_frames(tb, target)
-        if abort_on_exception:
-            sys.excepthook(exc_type, exc, tb)  # prints with the rank prefix, then MPI_Abort
-        else:
-            from hpcddp.comm import log
-            log("".join(traceback.format_exception(exc_type, exc, tb)).rstrip())
+        text = "".join(traceback.format_exception(exc_type, exc, _user_frames(tb, target)))
+        from hpcddp.comm import log
+        if not abort_on_exception or rt.world.size == 1:
+            log(text.rstrip())
+            return 1
+        # Print and abort here rather than through sys.excepthook: torch.distributed wraps the
+        # hook it finds at init_process_group with one that sends stderr into a buffer, which
+        # MPI_Abort would then kill before it is written out.
+        log(f"uncaught exception in {script or module}, aborting the job:\n{text.rstrip()}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        from hpcddp.comm import MPI
+        MPI.COMM_WORLD.Abort(1)
         return 1
     finally:
         sys.argv = saved_argv

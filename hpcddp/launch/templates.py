@@ -44,7 +44,7 @@ OPTIONS: dict[str, Option] = {
     "account": Option("name", "account to charge (--account); empty: your default", ""),
     "output": Option("path", "log file (--output); %x job name, %j job id, %A_%a array",
                      "%x-%j.out"),
-    "script": Option("path", "the training script each rank runs (through `hpcddp run`)",
+    "script": Option("str", "the training script each rank runs (through `hpcddp run`)",
                      "train.py"),
     "args": Option("list", "arguments for the script", ()),
     "setup": Option("list", "shell lines run first: module load, venv activation ...", ()),
@@ -150,6 +150,8 @@ def _check(template: str, options: Mapping[str, Any]) -> dict:
             raise _fail(template, f"option {key!r} does not apply to this template (it applies "
                                   f"to: {', '.join(users)}); valid options: {', '.join(values)}")
         values[key] = _coerce(template, key, value)
+    if not values["script"]:
+        raise _fail(template, "script must not be empty: the Python script each rank runs")
     if t.name == "array-sweep":
         _parse_sweep(template, values["sweep"])
     if values["mpi"] not in ("pmix", "pmi2", "none") and not values["mpi"].startswith("pmix_"):
@@ -337,6 +339,7 @@ trap cleanup EXIT
 # stays the same across requeues, so a requeued run finds its own checkpoints here.
 export CKPT_DIR=${CKPT_DIR:-@CKPTDIR@}
 mkdir -p "$CKPT_DIR"
+echo "[job] scratch $SCRATCH, checkpoints $CKPT_DIR"
 
 # Preemption and time limits. USR1 (from --signal above) reaches only this script: forward it
 # to the ranks (srun relays signals to every task), let them checkpoint and exit, then requeue.
