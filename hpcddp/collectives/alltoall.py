@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from hpcddp.collectives import _large
 from hpcddp.collectives._common import (as_array, check_list, finish_or_work, record, resolve,
                                         same_spec)
 from hpcddp.collectives import _device
@@ -51,6 +52,9 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     row_out = output.numel() // out_rows if out_rows else 0
     sin = _splits(input_split_sizes, in_rows, n, fn, "input_split_sizes")
     sout = _splits(output_split_sizes, out_rows, n, fn, "output_split_sizes")
+    if _large.too_big(inp) or _large.too_big(out):
+        _large.refuse(fn, "input" if _large.too_big(inp) else "output",
+                      max(input.numel(), output.numel()))
     entry = record(comm, "all_to_all", input.shape, input.dtype)
     if input_split_sizes is None and output_split_sizes is None or (
             len(set(sin)) == 1 and len(set(sout)) == 1 and sin[0] * row_in == sout[0] * row_out):
@@ -84,6 +88,9 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     rcounts = [t.numel() for t in output_tensor_list]
     sdis = [sum(scounts[:i]) for i in range(n)]
     rdis = [sum(rcounts[:i]) for i in range(n)]
+    if max(flat_in.numel(), flat_out.numel()) > _large.MAX_COUNT:
+        _large.refuse(fn, "input_tensor_list/output_tensor_list",
+                      max(flat_in.numel(), flat_out.numel()))
     entry = record(comm, "all_to_all", ref.shape, ref.dtype)
     req = comm.mpi.Ialltoallv([as_array(flat_in), (scounts, sdis)],
                               [as_array(flat_out), (rcounts, rdis)])

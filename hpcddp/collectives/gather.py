@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from hpcddp.collectives import _large
 from hpcddp.collectives._common import (as_array, check_list, finish_or_work, record,
                                         record_end, resolve, same_spec)
 from hpcddp.collectives import _device
@@ -27,10 +28,16 @@ def broadcast(tensor, src, group=None, async_op=False):
         return _device.broadcast(tensor, src, comm, async_op)
     entry = record(comm, "broadcast", tensor.shape, tensor.dtype, src)
     if not async_op:
-        comm.mpi.Bcast(arr, root=src)
+        try:
+            comm.mpi.Bcast(arr, root=src)
+        except _large.REFUSED:  # over MPI's count limit: pieces (costs nothing until then)
+            if not _large.too_big(arr):
+                raise
+            _large.bcast_now(comm, arr, src)
         record_end(entry)
         return None
-    return finish_or_work(True, entry, [comm.mpi.Ibcast(arr, root=src)], [tensor])
+    reqs = _large.bcast(comm, arr, src) if _large.too_big(arr) else [comm.mpi.Ibcast(arr, root=src)]
+    return finish_or_work(True, entry, reqs, [tensor])
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
@@ -52,8 +59,9 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
                          f"elements, expected {input_tensor.numel() * comm.size} (input's "
                          f"{input_tensor.numel()} x group size {comm.size})")
     entry = record(comm, "all_gather", input_tensor.shape, input_tensor.dtype)
-    req = comm.mpi.Iallgather(inp, out)
-    return finish_or_work(async_op, entry, [req], [output_tensor])
+    reqs = (_large.allgather(comm, inp, out) if _large.too_big(out)
+            else [comm.mpi.Iallgather(inp, out)])
+    return finish_or_work(async_op, entry, reqs, [output_tensor])
 
 
 def _scatter_copy(flat: torch.Tensor, outputs) -> None:
@@ -79,8 +87,9 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
                              f"{tensor.numel()} (tensor's; every rank sends the same size)")
     flat = torch.empty(tensor.numel() * comm.size, dtype=tensor.dtype)
     entry = record(comm, "all_gather", tensor.shape, tensor.dtype)
-    req = comm.mpi.Iallgather(as_array(tensor), as_array(flat))
-    return finish_or_work(async_op, entry, [req], list(tensor_list),
+    reqs = (_large.allgather(comm, as_array(tensor), as_array(flat)) if _large.too_big(flat)
+            else [comm.mpi.Iallgather(as_array(tensor), as_array(flat))])
+    return finish_or_work(async_op, entry, reqs, list(tensor_list),
                           lambda: _scatter_copy(flat, tensor_list), keep=flat)
 
 
@@ -100,15 +109,19 @@ def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
         same_spec(gather_list, tensor, "gather", "gather_list")
         flat = torch.empty(tensor.numel() * comm.size, dtype=tensor.dtype)
         entry = record(comm, "gather", tensor.shape, tensor.dtype, dst)
-        req = comm.mpi.Igather(as_array(tensor), as_array(flat), root=dst)
-        return finish_or_work(async_op, entry, [req], list(gather_list),
+        reqs = (_large.gather(comm, as_array(tensor), as_array(flat), dst)
+                if _large.too_big(flat) else
+                [comm.mpi.Igather(as_array(tensor), as_array(flat), root=dst)])
+        return finish_or_work(async_op, entry, reqs, list(gather_list),
                               lambda: _scatter_copy(flat, gather_list), keep=flat)
     if gather_list:
         raise ValueError(f"gather: gather_list must be None or empty on rank {comm.rank}, which "
                          f"is not the destination (dst={dst})")
     entry = record(comm, "gather", tensor.shape, tensor.dtype, dst)
-    req = comm.mpi.Igather(as_array(tensor), None, root=dst)
-    return finish_or_work(async_op, entry, [req], [])  # gloo: no outputs off the root
+    reqs = (_large.gather(comm, as_array(tensor), None, dst)
+            if _large.too_big(as_array(tensor), comm.size) else
+            [comm.mpi.Igather(as_array(tensor), None, root=dst)])
+    return finish_or_work(async_op, entry, reqs, [])  # gloo: no outputs off the root
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
@@ -127,11 +140,13 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
         same_spec(scatter_list, tensor, "scatter", "scatter_list")
         flat = torch.cat([t.reshape(-1) for t in scatter_list])
         entry = record(comm, "scatter", tensor.shape, tensor.dtype, src)
-        req = comm.mpi.Iscatter(as_array(flat), arr, root=src)
-        return finish_or_work(async_op, entry, [req], [tensor], keep=flat)
+        reqs = (_large.scatter(comm, as_array(flat), arr, src) if _large.too_big(flat)
+                else [comm.mpi.Iscatter(as_array(flat), arr, root=src)])
+        return finish_or_work(async_op, entry, reqs, [tensor], keep=flat)
     if scatter_list:
         raise ValueError(f"scatter: scatter_list must be None or empty on rank {comm.rank}, which "
                          f"is not the source (src={src})")
     entry = record(comm, "scatter", tensor.shape, tensor.dtype, src)
-    req = comm.mpi.Iscatter(None, arr, root=src)
-    return finish_or_work(async_op, entry, [req], [tensor])
+    reqs = (_large.scatter(comm, None, arr, src) if _large.too_big(arr, comm.size)
+            else [comm.mpi.Iscatter(None, arr, root=src)])
+    return finish_or_work(async_op, entry, reqs, [tensor])

@@ -5,6 +5,7 @@ Peers are group ranks. Tags are non-negative ints up to the MPI library's MPI_TA
 from __future__ import annotations
 
 from hpcddp.collectives._common import as_array, finish_or_work, record, record_end, resolve
+from hpcddp.collectives import _large
 from hpcddp.collectives.work import Work
 from hpcddp.collectives import _device
 from hpcddp.comm.buffers import DeviceTensor
@@ -40,7 +41,9 @@ def isend(tensor, dst, group=None, tag=0):
         return _device.isend(tensor, dst, comm, tag)
     _check_tag(tag, "isend")
     entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
-    return finish_or_work(True, entry, [comm.mpi.Isend(arr, dst, tag)], [tensor])
+    reqs = (_large.send(comm.mpi, arr, dst, tag) if _large.too_big(arr)
+            else [comm.mpi.Isend(arr, dst, tag)])
+    return finish_or_work(True, entry, reqs, [tensor])
 
 
 def send(tensor, dst, group=None, tag=0):
@@ -53,7 +56,10 @@ def send(tensor, dst, group=None, tag=0):
         return _device.send(tensor, dst, comm, tag)
     _check_tag(tag, "send")
     entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
-    comm.mpi.Send(arr, dst, tag)
+    if _large.too_big(arr):
+        _large.wait(_large.send(comm.mpi, arr, dst, tag))
+    else:
+        comm.mpi.Send(arr, dst, tag)
     record_end(entry)
 
 
@@ -67,7 +73,14 @@ def irecv(tensor, src=None, group=None, tag=0):
     except DeviceTensor:
         return _device.irecv(tensor, src, comm, tag)
     _check_tag(tag, "irecv")
+    big = _large.too_big(arr)
+    if big and src is None:
+        raise ValueError(f"irecv: src=None (any source) with {tensor.numel()} elements, over this "
+                         f"MPI's count limit of {_large.MAX_COUNT}: the message travels in "
+                         f"pieces that must come from one sender; give src (or use recv)")
     entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
+    if big:
+        return Work(_large.recv(comm.mpi, arr, source, tag), [tensor], None, entry)
     req = comm.mpi.Irecv(arr, source, tag)
     return Work([req], [tensor], None, entry, status=MPI.Status())
 
@@ -82,6 +95,12 @@ def recv(tensor, src=None, group=None, tag=0) -> int:
         return _device.recv(tensor, src, comm, tag)
     _check_tag(tag, "recv")
     entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
+    if _large.too_big(arr):
+        if source == MPI.ANY_SOURCE:
+            source = _large.probe_source(comm.mpi, tag)
+        _large.wait(_large.recv(comm.mpi, arr, source, tag))
+        record_end(entry)
+        return source
     status = MPI.Status()
     comm.mpi.Recv(arr, source, tag, status)
     record_end(entry)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hpcddp.collectives import _large
 from hpcddp.collectives._common import (IN_PLACE, as_array, check_list, finish_or_work,
                                         post_reduce, pre_reduce, record, record_end,
                                         reduce_op, resolve, same_spec)
@@ -33,14 +34,20 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
     if kind is not SUM_KIND:
         pre_reduce(tensor, op, kind)
     if not async_op:
-        comm.mpi.Allreduce(IN_PLACE, arr, mop)
+        try:
+            comm.mpi.Allreduce(IN_PLACE, arr, mop)
+        except _large.REFUSED:  # over MPI's count limit: pieces (costs nothing until then)
+            if not _large.too_big(arr):
+                raise
+            _large.allreduce_now(comm, arr, mop)
         if kind is not SUM_KIND:
             post_reduce(tensor, kind, comm.size)
         record_end(entry)
         return None
-    req = comm.mpi.Iallreduce(IN_PLACE, arr, mop)
+    reqs = (_large.allreduce(comm, arr, mop) if _large.too_big(arr)
+            else [comm.mpi.Iallreduce(IN_PLACE, arr, mop)])
     finish = None if kind is SUM_KIND else (lambda: post_reduce(tensor, kind, comm.size))
-    return finish_or_work(True, entry, [req], [tensor], finish)
+    return finish_or_work(True, entry, reqs, [tensor], finish)
 
 
 SUM_KIND = dist.ReduceOp.RedOpType.SUM
@@ -60,17 +67,20 @@ def reduce(tensor, dst, op=SUM, group=None, async_op=False):
     mop, kind = reduce_op(op, tensor.dtype, "reduce")
     entry = record(comm, "reduce", tensor.shape, tensor.dtype, dst)
     root = comm.rank == dst
+    big = _large.too_big(arr)
     if root:
         pre_reduce(tensor, op, kind)
-        req = comm.mpi.Ireduce(IN_PLACE, arr, mop, root=dst)
+        reqs = (_large.reduce(comm, arr, mop, dst) if big
+                else [comm.mpi.Ireduce(IN_PLACE, arr, mop, root=dst)])
     else:
         send = tensor.clone() if kind == dist.ReduceOp.RedOpType.PREMUL_SUM else tensor
         pre_reduce(send, op, kind)
-        req = comm.mpi.Ireduce(as_array(send), None, mop, root=dst)
+        reqs = (_large.reduce(comm, as_array(send), mop, dst) if big
+                else [comm.mpi.Ireduce(as_array(send), None, mop, root=dst)])
         if send is not tensor:
-            return finish_or_work(async_op, entry, [req], [tensor], keep=send)
+            return finish_or_work(async_op, entry, reqs, [tensor], keep=send)
     finish = (lambda: post_reduce(tensor, kind, comm.size)) if root else None
-    return finish_or_work(async_op, entry, [req], [tensor], finish)
+    return finish_or_work(async_op, entry, reqs, [tensor], finish)
 
 
 def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
@@ -92,6 +102,8 @@ def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
         raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, expected "
                          f"{output.numel() * comm.size} (output's {output.numel()} x group size "
                          f"{comm.size})")
+    if _large.too_big(inp):
+        _large.refuse("reduce_scatter_tensor", "input", input.numel())
     mop, kind = reduce_op(op, output.dtype, "reduce_scatter_tensor")
     entry = record(comm, "reduce_scatter", output.shape, output.dtype)
     if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
