@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     summary = {"world_size": world, "steps": args.steps, "resumed_from": resumed_from,
                "loss": loss.item(), "lr": args.lr, "backend": str(dist.get_backend()),
                "hosts": None, "data_files": data_files, "data_bytes": data_bytes,
-               "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0"))}
+               "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+               "weight": w.flatten().tolist()}
     hosts = [None] * world
     dist.all_gather_object(hosts, host)
     summary["hosts"] = sorted(set(hosts))

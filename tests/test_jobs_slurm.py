@@ -157,7 +157,7 @@ def jobs(slurm, tmp_path_factory):
     d = base / "requeue"
     out["requeue"] = submit(render("single-node-ddp", **small(
         "single-node-ddp", job_name="requeue", tasks_per_node=2, gpus=2,
-        args=["--steps", "300", "--step-time", "0.1", "--out", "result.json"])),
+        args=["--steps", "200", "--step-time", "0.1", "--out", "result.json"])),
         d, "requeue-*.out")
 
     d = base / "single"
@@ -194,6 +194,18 @@ def jobs(slurm, tmp_path_factory):
         "single-node-ddp", job_name="fail", tasks_per_node=2, gpus=0,
         args=["--steps", "50", "--step-time", "0.1", "--fail-at-step", "1"])),
         d, "fail-*.out")
+
+    # jobs/mpirun inside an allocation: Open MPI's mpirun reads the nodes from Slurm and starts
+    # its daemons with srun (no ssh), across both nodes.
+    d = base / "mpirun"
+    nodes = 2 if two_nodes else 1
+    text = (f"#!/bin/bash\n#SBATCH --job-name=mpirun --nodes={nodes} --ntasks-per-node=1 "
+            f"--time=10 --output=%x-%j.out\n"
+            f". {shlex.quote(sys.prefix)}/bin/activate\n"
+            f"export NODES={nodes} RANKS_PER_NODE=1 SCRIPT={shlex.quote(TRAIN)}\n"
+            f"bash {shlex.quote(str(ROOT / 'jobs' / 'mpirun' / 'multi_node_ddp.sh'))} "
+            f"--steps 3 --out result.json\n")
+    out["mpirun"] = submit(text, d, "mpirun-*.out")
 
     # cpu-mpi goes through the CLI, as a user would: hpcddp submit ... SCRIPT ARGS.
     d = base / "cpu"
@@ -261,7 +273,7 @@ def test_requeued_job_resumes_from_its_checkpoint(jobs):
     r = result(job)
     log = job.logs()
     resumed = [int(s) for s in re.findall(r"resuming from checkpoint step (\d+)", log)]
-    assert len(resumed) == 2 and 0 < resumed[0] < resumed[1] < 299, log[-6000:]
+    assert len(resumed) == 2 and 0 < resumed[0] < resumed[1] < 199, log[-6000:]
     assert r["resumed_from"] == resumed[1] + 1 and r["restart_count"] == 2, r
     assert "USR1: checkpointing, then requeueing" in log
     assert_clean(log)
@@ -341,3 +353,13 @@ def test_failing_rank_fails_the_job_promptly(jobs):
     assert_clean(log, allow=("srun: error", "slurmstepd: error"))
 
 
+
+
+def test_mpirun_script_inside_an_allocation(jobs):
+    job = jobs["mpirun"]
+    assert_completed(job, job.finish())
+    r = result(job)
+    assert r["world_size"] == (2 if jobs["two_nodes"] else 1)
+    if jobs["two_nodes"]:
+        assert r["hosts"] == jobs["nodes"][:2], r
+    assert_clean(job.logs())
