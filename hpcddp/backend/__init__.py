@@ -71,7 +71,13 @@ def register() -> None:
         if _registered or BACKEND_NAME.upper() in dist.Backend._plugins:
             _registered = True
             return
-        devices = ["cpu"]
+        # "cuda" too: the ops serve CUDA tensors (direct to a CUDA-aware MPI, else staged
+        # through pinned host memory; docs/gpu.md). Our process group is a Python
+        # ProcessGroup subclass, so torch hands it every tensor whatever this list says; the
+        # list only feeds torch's BackendConfig ("hpcddp" -> "cpu:hpcddp,cuda:hpcddp"). It
+        # takes no default away: a CUDA build keeps cuda -> nccl for backend-less init, and
+        # CPU-only torch is unaffected (object collectives still pick "cpu").
+        devices = ["cpu", "cuda"]
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=devices)
         _wrap_env_rendezvous()
         _registered = True
