@@ -1,0 +1,84 @@
+"""Mixed mode: hpcddp (MPI) for CPU tensors, another backend for CUDA tensors, one process
+group, bootstrapped through MPI (no MASTER_ADDR): "cpu:hpcddp,cuda:nccl".
+
+With a GPU and NCCL this is ``hpcddp.init_process_group(device="cuda")``. Without one, gloo
+stands in for NCCL ("cpu:hpcddp,cuda:gloo"): the wiring of the two backends is the same, and
+that is what these tests check on a CPU-only machine.
+
+Known problem (test_cuda_device_gets_its_own_backend, strict xfail): torch builds the
+per-device backends in device order and stops at the first creator that returns a Python
+ProcessGroup subclass, which ProcessGroupHPCDDP is. So the group *is* the hpcddp process
+group, no second backend is ever created, and CUDA tensors go to hpcddp (which serves them
+correctly through its device path, but not through NCCL). Fixing it belongs to the backend
+(hpcddp/backend): see docs/gpu.md. When it is fixed the xfail turns into a failure and the
+marker must go.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hpcddp
+from hpcddp.backend import init_process_group
+
+MPI_SIZES = (2, 3)
+GPU = torch.cuda.is_available() and dist.is_nccl_available()
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and NCCL; CI has none")
+
+
+@pytest.fixture(scope="module")
+def world():
+    comm = hpcddp.init().world
+    if GPU:
+        init_process_group(device="cuda")              # picks "cpu:hpcddp,cuda:nccl"
+    else:
+        init_process_group("cpu:hpcddp,cuda:gloo")     # gloo stands in for NCCL
+    yield comm
+    dist.destroy_process_group()
+
+
+def test_backend_config_names_both(world):
+    cfg = str(dist.get_backend_config())
+    assert "cpu:hpcddp" in cfg and ("cuda:nccl" in cfg if GPU else "cuda:gloo" in cfg), cfg
+
+
+def test_cpu_tensors_use_hpcddp(world):
+    t = torch.full((5,), float(world.rank))
+    dist.all_reduce(t)
+    assert torch.all(t == sum(range(world.size)))
+    out = [None] * world.size
+    dist.all_gather_object(out, {"rank": world.rank})
+    assert out == [{"rank": r} for r in range(world.size)]
+
+
+@pytest.mark.xfail(strict=True, reason="torch stops at the first backend creator returning a "
+                   "ProcessGroup subclass (ProcessGroupHPCDDP): the CUDA backend of a "
+                   "'cpu:hpcddp,cuda:X' map is never created; see the module docstring")
+def test_cuda_device_gets_its_own_backend(world):
+    backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+    assert type(backend).__name__ == ("ProcessGroupNCCL" if GPU else "ProcessGroupGloo")
+
+
+@needs_gpu
+def test_cuda_all_reduce_correct(world):
+    """Correct whichever backend serves it (today: hpcddp's device path, see above)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t = torch.full((1 << 20,), float(world.rank + 1), device=dev)
+    dist.all_reduce(t)
+    assert torch.all(t == sum(range(1, world.size + 1))).item()
+
+
+@needs_gpu
+def test_ddp_on_cuda_in_mixed_mode(world):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3).to(dev)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index])
+    g = torch.Generator().manual_seed(world.rank)
+    inp = torch.randn(4, 8, generator=g).to(dev)
+    ddp(inp).sum().backward()
+    grads = [torch.zeros_like(model.weight.grad) for _ in range(world.size)]
+    dist.all_gather(grads, model.weight.grad)
+    for g in grads[1:]:
+        torch.testing.assert_close(g, grads[0])        # every rank holds the same average
