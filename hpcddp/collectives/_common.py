@@ -8,11 +8,14 @@ from hpcddp.comm._mpi import MPI
 from hpcddp.comm.buffers import as_array, check_tensor, same_spec  # noqa: F401  (re-export)
 from hpcddp.comm.communicator import Communicator
 from hpcddp.comm.ops import RedOpType, mpi_op
-from hpcddp.diagnostics import recorder as _rec
+from hpcddp.diagnostics import mismatch as _mismatch, recorder as _rec
 from hpcddp.collectives.work import CompletedWork, Work  # noqa: F401
 
 IN_PLACE = MPI.IN_PLACE
-record = _rec.start
+# Chosen once, at import: with HPCDDP_DEBUG=detail every collective's record() also runs the
+# cross-rank mismatch check; otherwise it is the bare flight recorder (no `if` in the ops).
+record = _mismatch.checked_start if _mismatch.enabled() else _rec.start
+record_p2p = _rec.start_p2p   # send/recv: own sequence numbers, never cross-checked
 record_end = _rec.end
 _op_cache: dict = {}
 

@@ -4,7 +4,8 @@ Peers are group ranks. Tags are non-negative ints up to the MPI library's MPI_TA
 """
 from __future__ import annotations
 
-from hpcddp.collectives._common import as_array, finish_or_work, record, record_end, resolve
+from hpcddp.collectives._common import (as_array, finish_or_work, record_end, resolve,
+                                        record_p2p as record)
 from hpcddp.collectives import _large
 from hpcddp.collectives.work import Work
 from hpcddp.collectives import _device

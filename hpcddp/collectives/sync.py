@@ -6,6 +6,7 @@ from datetime import timedelta
 
 from hpcddp.collectives._common import finish_or_work, record, record_end, resolve
 from hpcddp.comm._mpi import MPI
+from hpcddp.diagnostics import recorder as _rec
 
 
 def barrier(group=None, async_op=False):
@@ -16,24 +17,53 @@ def barrier(group=None, async_op=False):
 
 
 class BarrierTimeout(RuntimeError):
-    pass
+    """monitored_barrier timed out; the message names the ranks that did not arrive."""
+
+
+def _where(world_ranks, wait: float = 2.0) -> dict:
+    """{world rank: 'in Python at train.py:88 (in step)'} through the diagnostics watchdogs."""
+    from hpcddp.diagnostics import query_ranks
+    from hpcddp.diagnostics.report import _status
+    try:
+        got = query_ranks(world_ranks, wait)
+    except Exception:  # a report aid: never let it hide the timeout itself
+        return {}
+    if got is None:
+        return {}
+    snaps, gone = got
+    return {r: _status(snaps.get(r), gone.get(r)) for r in world_ranks}
+
+
+def _missing_text(comm, shown, world, timeout, where) -> str:
+    parts = []
+    for r in shown:
+        w = world[r]
+        place = f": {where[w]}" if w in where else ""
+        parts.append(f"rank {r}{'' if w == r else f' (world rank {w})'}{place}")
+    return (f"monitored_barrier: {len(shown)} rank(s) of group {comm.name!r} did not reach the "
+            f"barrier within {timeout:.1f} s (timeout= or HPCDDP_TIMEOUT): " + "; ".join(parts))
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
-    """A barrier that fails after TIMEOUT naming the ranks that did not arrive.
+    """A barrier that fails after TIMEOUT naming the ranks that did not arrive, and where they are.
 
     Rank 0 of the group waits for a message from every other rank, then releases them. If some
-    never come within TIMEOUT (seconds or timedelta; default HPCDDP_TIMEOUT or 300 s), rank 0
-    raises naming them (all of them with wait_all_ranks=True, else the first), and the others
-    raise when rank 0's release does not come.
+    never come within TIMEOUT (seconds or timedelta; default HPCDDP_TIMEOUT, else 600 s), rank 0
+    raises :class:`BarrierTimeout` naming them (all of them with wait_all_ranks=True, else the
+    first) and where each one is (through the diagnostics watchdog: "in Python at
+    train.py:88"); the ranks that did arrive raise the same error. If rank 0 itself never
+    comes, the others raise after TIMEOUT + 2 s saying so. Called by every member of the group.
+    Not checked by HPCDDP_DEBUG=detail (the check is itself a collective that would wait).
     """
     import os
     comm = resolve(group, "monitored_barrier")
     if timeout is None:
-        timeout = float(os.environ.get("HPCDDP_TIMEOUT", "300"))
+        from hpcddp.diagnostics.config import DEFAULT_TIMEOUT, timeout_from
+        raw = os.environ.get("HPCDDP_TIMEOUT", "").strip()
+        timeout = (timeout_from(raw) if raw else None) or DEFAULT_TIMEOUT
     if isinstance(timeout, timedelta):
         timeout = timeout.total_seconds()
-    entry = record(comm, "monitored_barrier")
+    entry = _rec.start(comm, "monitored_barrier")
     tag = 32000 + (entry[0] % 700)  # per-call tag: a late rank's message never matches a later call
     mpi = comm.mpi
     deadline = time.monotonic() + timeout
@@ -50,22 +80,31 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) ->
             for q in pending.values():
                 q.Cancel()
             shown = missing if wait_all_ranks else missing[:1]
-            raise BarrierTimeout(
-                f"monitored_barrier: rank(s) {', '.join(map(str, shown))} (world rank(s) "
-                f"{', '.join(str(world[r]) for r in shown)}) of group {comm.name!r} did not reach "
-                f"the barrier within {timeout:.1f} s (set by timeout= or HPCDDP_TIMEOUT)")
-        reqs = [mpi.isend(True, dest=r, tag=tag) for r in range(1, comm.size)]
-        MPI.Request.Waitall(reqs)
+            text = _missing_text(comm, shown, world, timeout, _where([world[r] for r in shown]))
+            arrived = [r for r in range(1, comm.size) if r not in pending]
+            MPI.Request.Waitall([mpi.isend(text, dest=r, tag=tag) for r in arrived])
+            record_end(entry)
+            raise BarrierTimeout(text)
+        MPI.Request.Waitall([mpi.isend(None, dest=r, tag=tag) for r in range(1, comm.size)])
     else:
         mpi.isend(True, dest=0, tag=tag).Wait()
         release = mpi.irecv(source=0, tag=tag)
-        while not release.Test():
+        deadline += 2.0    # rank 0's own deadline may start a little after ours
+        while True:
+            done, msg = release.test()
+            if done:
+                break
             if time.monotonic() > deadline:
                 release.Cancel()
+                where = _where([world[0]]).get(world[0])
+                record_end(entry)
                 raise BarrierTimeout(
-                    f"monitored_barrier: rank 0 (world rank {world[0]}) of group {comm.name!r} did "
-                    f"not release the barrier within {timeout:.1f} s: another rank is missing "
-                    f"(rank 0 names it)")
+                    f"monitored_barrier: rank 0 (world rank {world[0]}) of group {comm.name!r} "
+                    f"did not release the barrier within {timeout + 2:.1f} s: it has not reached "
+                    f"it" + (f" ({where})" if where else " (or it is dead)"))
             time.sleep(0.001)
+        if msg is not None:
+            record_end(entry)
+            raise BarrierTimeout(msg)
     record_end(entry)
     return None

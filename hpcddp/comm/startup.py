@@ -63,7 +63,8 @@ def init(*, abort_on_exception: bool = False,
     abort_on_exception: an uncaught exception on any rank prints its traceback with the
         rank prefix and aborts the whole job (MPI_Abort) instead of leaving the others waiting.
     set_cuda_device: with CUDA, ``torch.cuda.set_device(local_rank % device_count)``.
-    timeout: seconds before a stalled op is reported (HPCDDP_TIMEOUT; diagnostics).
+    timeout: seconds before a stalled op is reported (HPCDDP_TIMEOUT, default 600; 0 turns
+        the watchdog off; docs/hangs.md).
     """
     global _runtime
     with _lock:
@@ -71,7 +72,11 @@ def init(*, abort_on_exception: bool = False,
             _runtime = _start(os.environ.get("HPCDDP_THREAD_LEVEL", "multiple"))
         rt = _runtime
     if timeout is not None:
-        os.environ["HPCDDP_TIMEOUT"] = str(timeout)
+        os.environ["HPCDDP_TIMEOUT"] = str(getattr(timeout, "total_seconds", lambda: timeout)())
+    # the watchdog (stall reports): started by the first init on every rank (a collective),
+    # later calls only change its timeout
+    from hpcddp.diagnostics import start_diagnostics
+    start_diagnostics(rt.world, rt.topology.hostname, timeout)
     if abort_on_exception:
         from hpcddp.diagnostics.abort import install_abort_on_exception
         install_abort_on_exception()

@@ -1,0 +1,122 @@
+"""Diagnostics: hangs become short, explained failures (docs/hangs.md).
+
+- :mod:`~hpcddp.diagnostics.recorder`: the flight recorder (every op, per rank, bounded);
+- :mod:`~hpcddp.diagnostics.watchdog`: the stall report (HPCDDP_TIMEOUT, HPCDDP_STALL_POLICY),
+  naming dead and unresponsive ranks;
+- :mod:`~hpcddp.diagnostics.mismatch`: the cross-rank check of every collective
+  (HPCDDP_DEBUG=detail);
+- :mod:`~hpcddp.diagnostics.abort`: one rank's uncaught exception ends the job.
+
+:func:`start_diagnostics` runs inside :func:`hpcddp.init`; :func:`shutdown_diagnostics` in
+:func:`hpcddp.finalize` (and at exit). Depends on ``hpcddp.comm`` only.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+
+from hpcddp.diagnostics import config
+from hpcddp.diagnostics.abort import install_abort_on_exception
+from hpcddp.diagnostics.config import STALL_EXIT_CODE
+from hpcddp.diagnostics.mismatch import CollectiveMismatchError
+from hpcddp.diagnostics.recorder import RECORDER, FlightRecorder
+
+_watchdog = None
+_lock = threading.Lock()
+_atexit = False
+
+__all__ = ["CollectiveMismatchError", "FlightRecorder", "RECORDER", "STALL_EXIT_CODE",
+           "install_abort_on_exception", "query_ranks", "set_timeout", "shutdown_diagnostics",
+           "start_diagnostics", "watchdog"]
+
+
+def start_diagnostics(world, host: str, timeout=None):
+    """Start the watchdog on every rank (collective over the world: hpcddp.init calls it).
+
+    timeout: seconds (or a timedelta; 0 turns the watchdog off); None: HPCDDP_TIMEOUT.
+    Returns the Watchdog, or None for a single rank or a disabled watchdog.
+    """
+    global _watchdog, _atexit
+    settings = config.read()          # rejects bad values before any message
+    if timeout is not None:
+        settings = _with_timeout(settings, config.timeout_from(timeout))
+    with _lock:
+        if _watchdog is not None:
+            if timeout is not None:
+                _watchdog.set_timeout(settings.timeout)
+            return _watchdog
+        if world.size < 2:
+            return None
+        from hpcddp.diagnostics.watchdog import Watchdog
+        from hpcddp.diagnostics.abort import install_rank_prefixed_excepthook
+        install_rank_prefixed_excepthook()
+        wd = Watchdog(world, settings, host)
+        wd.start()
+        _watchdog = wd
+        if not _atexit:
+            _atexit = True
+            atexit.register(shutdown_diagnostics)  # before mpi4py's own MPI_Finalize
+    return wd
+
+
+def _with_timeout(s, timeout):
+    peer = s.peer_timeout
+    if timeout is not None and "HPCDDP_PEER_TIMEOUT" not in __import__("os").environ:
+        peer = max(0.2, min(5.0, timeout))
+    return config.Settings(timeout=timeout, policy=s.policy, peer_timeout=peer,
+                           report_dir=s.report_dir, detail=s.detail, pid_check=s.pid_check)
+
+
+def watchdog():
+    """The running Watchdog (None before init, on one rank, or when disabled)."""
+    return _watchdog
+
+
+def set_timeout(timeout) -> None:
+    """Change HPCDDP_TIMEOUT for this rank's watchdog (seconds, timedelta, 0/'off')."""
+    wd = _watchdog
+    if wd is not None:
+        wd.set_timeout(config.timeout_from(timeout))
+
+
+def query_ranks(ranks, wait: float):
+    """Ask RANKS (world ranks) for their state through the watchdogs: ({rank: snapshot},
+    {rank: what is known of a rank that did not answer within WAIT seconds}).
+    Returns None when there is no watchdog to ask through."""
+    wd = _watchdog
+    if wd is None or not wd.multiple:
+        return None
+    return wd.query(list(ranks), wait)
+
+
+def shutdown_diagnostics() -> None:
+    """Wait for every rank to get here, then stop the watchdog and free its communicators.
+
+    The wait is the watchdog's last job: while this rank waits for ranks still in an op, the
+    report names them (a rank ends its script while others wait in a collective it skipped).
+    Called by hpcddp.finalize and at exit; idempotent.
+    """
+    global _watchdog
+    from hpcddp.comm._mpi import MPI
+    from hpcddp.diagnostics import mismatch, recorder
+    with _lock:
+        wd, _watchdog = _watchdog, None
+    if wd is None or MPI.Is_finalized():
+        mismatch._dups.clear()
+        return
+    now = recorder._now()
+    for e in list(recorder.RECORDER.buf):
+        if e is not None and e[recorder.T_END] == 0.0:
+            e[recorder.T_END] = now   # the script has ended: what it left in flight is over
+            e.append("abandoned")
+    entry = [wd.world.seq, "finalize", wd.world, None, None, None, now, 0.0]
+    recorder.RECORDER.buf[next(recorder.RECORDER._counter) % recorder.RECORDER.capacity] = entry
+    try:
+        req = wd.diag.Ibarrier()
+        while not req.Test():
+            time.sleep(0.005)   # the watchdog thread reports if the others never come
+    finally:
+        recorder.end(entry)
+        wd.stop()
+        mismatch.free_dups()

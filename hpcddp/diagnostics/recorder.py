@@ -1,50 +1,108 @@
 """Flight recorder: a bounded per-rank ring of the last ops (what each rank was doing).
 
-Every hpcddp op, through torch.distributed or the direct API, calls :func:`start` before its
-first message and :func:`end` when it completes. An entry is a small list
-``[seq, op, group, shape, dtype, peer, t_start, t_end]`` (t_end 0.0 while in flight);
-``seq`` counts ops per communicator, as torch's per-group sequence numbers do.
-Cost: one list allocation and two clock reads per op (well under a microsecond).
+Every hpcddp op, through torch.distributed or the direct API, calls :func:`start` (collectives)
+or :func:`start_p2p` (send/recv) before its first message and :func:`end` when it completes.
+An entry is a small list ``[seq, op, comm, shape, dtype, peer, t_start, t_end]`` (``t_end``
+0.0 while in flight). ``seq`` counts collectives per communicator, as torch's per-group
+sequence numbers do, so the same collective has the same number on every member; send/recv
+have their own per-communicator counter (they involve two ranks, not the group, and would
+otherwise make the collective numbers differ between ranks).
+
+Cost: one list allocation, one clock read and one ring store per op, plus one clock read at
+the end (a fraction of a microsecond; ``python -m hpcddp.diagnostics.bench`` measures it
+against the op itself). Entries keep a reference to their shape and dtype objects (no
+copies); the watchdog turns them into plain data only when it reports.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
 _now = time.monotonic
 
 SEQ, OP, GROUP, SHAPE, DTYPE, PEER, T_START, T_END = range(8)
+P2P_OPS = frozenset({"send", "recv"})
 
 
 class FlightRecorder:
+    """A ring of the last CAPACITY entries of this process (all threads, all communicators)."""
+
     def __init__(self, capacity: int = 2048):
+        if capacity < 1:
+            raise ValueError(f"FlightRecorder: capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.buf: list = [None] * capacity
-        self.count = 0
+        self._counter = itertools.count()   # next() is atomic: safe from autograd threads
+        self._p2p_seq: dict = {}
+        self.start = self._make_start()
 
-    def start(self, comm, op: str, shape=None, dtype=None, peer=None) -> list:
-        comm.seq += 1
-        entry = [comm.seq, op, comm.name, shape, dtype, peer, _now(), 0.0]
-        n = self.count
-        self.buf[n % self.capacity] = entry
-        self.count = n + 1
+    def _make_start(self):
+        buf, cap, counter, now = self.buf, self.capacity, self._counter, _now
+
+        def start(comm, op: str, shape=None, dtype=None, peer=None) -> list:
+            seq = comm.seq = comm.seq + 1
+            entry = [seq, op, comm, shape, dtype, peer, now(), 0.0]
+            buf[next(counter) % cap] = entry
+            return entry
+        return start
+
+    def start_p2p(self, comm, op: str, shape=None, dtype=None, peer=None) -> list:
+        key = comm.uid
+        seq = self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
+        entry = [seq, op, comm, shape, dtype, peer, _now(), 0.0]
+        self.buf[next(self._counter) % self.capacity] = entry
         return entry
 
+    def p2p_seq(self, comm) -> int:
+        return self._p2p_seq.get(comm.uid, 0)
+
     def entries(self) -> list:
-        """Recorded entries, oldest first."""
-        n, cap = self.count, self.capacity
-        if n <= cap:
-            return [e for e in self.buf[:n]]
-        i = n % cap
-        return self.buf[i:] + self.buf[:i]
+        """Recorded entries, oldest first (by start time)."""
+        return sorted((e for e in list(self.buf) if e is not None), key=lambda e: e[T_START])
 
     def in_flight(self) -> list:
         return [e for e in self.entries() if e[T_END] == 0.0]
 
+    def clear(self) -> None:
+        for i in range(self.capacity):
+            self.buf[i] = None
 
-RECORDER = FlightRecorder(int(os.environ.get("HPCDDP_RECORDER_SIZE", "2048")))
+
+def _capacity() -> int:
+    raw = os.environ.get("HPCDDP_RECORDER_SIZE", "2048")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"HPCDDP_RECORDER_SIZE={raw!r}: expected a positive number of entries")
+    return n
+
+
+RECORDER = FlightRecorder(_capacity())
 start = RECORDER.start
+start_p2p = RECORDER.start_p2p
 
 
 def end(entry: list) -> None:
     entry[T_END] = _now()
+
+
+def describe(entry: list, now: float | None = None) -> dict:
+    """An entry as plain data (what crosses ranks in a report)."""
+    comm = entry[GROUP]
+    now = _now() if now is None else now
+    shape = entry[SHAPE]
+    return {
+        "seq": entry[SEQ], "op": entry[OP],
+        "group": getattr(comm, "name", str(comm)),
+        "ranks": list(getattr(comm, "world_ranks", ())),
+        "grank": getattr(comm, "rank", None),
+        "shape": None if shape is None else [int(s) for s in shape],
+        "dtype": None if entry[DTYPE] is None else str(entry[DTYPE]).replace("torch.", ""),
+        "peer": entry[PEER],
+        "age": now - entry[T_START],
+        "done_ago": None if entry[T_END] == 0.0 else now - entry[T_END],
+        "abandoned": len(entry) > 8,     # left in flight when the script ended (an exception)
+    }

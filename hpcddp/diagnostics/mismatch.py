@@ -1,0 +1,149 @@
+"""Mismatch check (``HPCDDP_DEBUG=detail``): ranks compare each collective before running it.
+
+Before every collective, each member puts a fixed-size fingerprint of the call (op, sequence
+number on the group, dtype, shape, root) into an allgather on a private duplicate of the op's
+communicator (never the op's own: the check's messages cannot match the user's). If the
+fingerprints differ, every rank raises the same :class:`CollectiveMismatchError`, e.g.::
+
+    rank 1 called broadcast(src=0, shape=[4]) while ranks 0,2,3 called all_reduce(shape=[4])
+
+instead of hanging or silently mixing up data. Send/recv are not checked (two ranks, not the
+group). Shapes are not compared for ops whose shapes may differ by rank (all_to_all with
+splits, object collectives).
+
+Cost: one 96-byte allgather per collective, paid only when enabled: ``hpcddp.collectives``
+picks :func:`checked_start` instead of the plain recorder *once, at import*, so the ops carry
+no ``if`` for it (docs/hangs.md has the measured cost).
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from hpcddp.diagnostics import config as _cfg
+from hpcddp.diagnostics import recorder as _rec
+from hpcddp.diagnostics.report import ranks_word
+
+K = 12                    # int64 words per fingerprint
+OP, SEQ, DTYPE, ROOT, NDIM, DIMS = 0, 1, 2, 3, 4, 5   # DIMS..DIMS+5: the first 6 dims
+SHAPE_HASH = 11
+MAX_DIMS = 6
+
+OPS = ("all_reduce", "reduce", "reduce_scatter", "broadcast", "all_gather", "gather", "scatter",
+       "all_to_all", "barrier", "monitored_barrier", "broadcast_object", "all_gather_object",
+       "gather_object", "scatter_object_list")
+SHAPE_FREE = frozenset({"all_to_all", "barrier", "monitored_barrier", "broadcast_object",
+                        "all_gather_object", "gather_object", "scatter_object_list"})
+SRC_OPS = frozenset({"broadcast", "scatter", "broadcast_object", "scatter_object_list"})
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+          "uint8", "bool", "complex64", "complex128", "uint16", "uint32", "uint64",
+          "float8_e4m3fn", "float8_e5m2")
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks of a group called different collectives (raised on every rank, same text)."""
+
+
+def enabled() -> bool:
+    return _cfg.detail_enabled()
+
+
+def _code(name: str, table: tuple) -> int:
+    try:
+        return table.index(name) + 1
+    except ValueError:
+        return 1000 + (zlib.crc32(name.encode()) & 0x3FFFFFFF)
+
+
+def _name(code: int, table: tuple, what: str) -> str:
+    if 1 <= code <= len(table):
+        return table[code - 1]
+    return f"{what}#{code}"
+
+
+def fingerprint(op: str, seq: int, shape=None, dtype=None, peer=None) -> np.ndarray:
+    fp = np.zeros(K, dtype=np.int64)
+    fp[OP] = _code(op, OPS)
+    fp[SEQ] = seq
+    fp[DTYPE] = 0 if dtype is None else _code(str(dtype).replace("torch.", ""), DTYPES)
+    fp[ROOT] = -1 if peer is None else int(peer)
+    if shape is None or op in SHAPE_FREE:
+        fp[NDIM] = -1
+    else:
+        dims = [int(s) for s in shape]
+        fp[NDIM] = len(dims)
+        fp[DIMS:DIMS + min(len(dims), MAX_DIMS)] = dims[:MAX_DIMS]
+        if len(dims) > MAX_DIMS:
+            fp[SHAPE_HASH] = zlib.crc32(repr(tuple(dims)).encode())
+    return fp
+
+
+def describe(row, show_seq: bool = False, show_dtype: bool = False) -> str:
+    """'broadcast(src=0, shape=[4])' from a fingerprint row."""
+    op = _name(int(row[OP]), OPS, "op")
+    args = []
+    if row[ROOT] >= 0:
+        args.append(f"{'src' if op in SRC_OPS else 'dst'}={int(row[ROOT])}")
+    nd = int(row[NDIM])
+    if nd >= 0:
+        if nd <= MAX_DIMS:
+            args.append(f"shape={[int(d) for d in row[DIMS:DIMS + nd]]}")
+        else:
+            args.append(f"shape=[{', '.join(str(int(d)) for d in row[DIMS:DIMS + MAX_DIMS])}, "
+                        f"... ({nd} dims)]")
+    if show_dtype and row[DTYPE]:
+        args.append(f"dtype={_name(int(row[DTYPE]), DTYPES, 'dtype')}")
+    seq = f" #{int(row[SEQ])}" if show_seq else ""
+    return f"{op}{seq}({', '.join(args)})"
+
+
+def mismatch_message(group: str, world_ranks, rows) -> str:
+    """The error every rank raises: minority calls first, the majority's last."""
+    rows = np.asarray(rows)
+    by: dict = {}
+    for i, row in enumerate(rows):
+        by.setdefault(tuple(int(x) for x in row), []).append(int(world_ranks[i]))
+    kinds = sorted(by.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
+    show_seq = len({k[SEQ] for k, _ in kinds}) > 1
+    show_dtype = len({k[DTYPE] for k, _ in kinds if k[DTYPE]}) > 1
+    parts = [f"{ranks_word(rs)} called {describe(k, show_seq, show_dtype)}" for k, rs in kinds]
+    text = ", ".join(parts[:-1]) + " while " + parts[-1]
+    seq = max(k[SEQ] for k, _ in kinds)
+    return (f"collective mismatch on group {group} at collective #{seq} (HPCDDP_DEBUG=detail): "
+            f"{text}. Every rank of a group must call the same collectives in the same order, "
+            f"with the same shapes, dtypes and roots.")
+
+
+_dups: dict = {}
+_start = _rec.start
+
+
+def _dup(comm):
+    d = _dups.get(comm.uid)
+    if d is None:  # collective over comm: its first checked op runs it on every member
+        d = _dups[comm.uid] = comm.mpi.Dup()
+    return d
+
+
+def checked_start(comm, op: str, shape=None, dtype=None, peer=None) -> list:
+    """The recorder's ``start`` followed by the cross-rank check (HPCDDP_DEBUG=detail)."""
+    entry = _start(comm, op, shape, dtype, peer)
+    if comm.size > 1:
+        fp = fingerprint(op, entry[_rec.SEQ], shape, dtype, peer)
+        rows = np.empty((comm.size, K), dtype=np.int64)
+        _dup(comm).Allgather(fp, rows)
+        if not (rows == rows[0]).all():
+            _rec.end(entry)
+            raise CollectiveMismatchError(mismatch_message(comm.name, comm.world_ranks, rows))
+    return entry
+
+
+def free_dups() -> None:
+    from hpcddp.comm._mpi import MPI
+    for d in list(_dups.values()):
+        try:
+            d.Free()
+        except MPI.Exception:
+            pass
+    _dups.clear()

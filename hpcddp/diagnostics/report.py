@@ -1,0 +1,352 @@
+"""The stall report: every rank's state (from :mod:`hpcddp.diagnostics.state`) made readable.
+
+Pure functions over plain data, so they are unit-tested without MPI. The report says which
+ranks wait in which op, which ranks never arrived and where they are instead, which ranks are
+dead or do not answer, each rank's Python stack, and what to do about the pattern found.
+"""
+from __future__ import annotations
+
+import time
+
+from hpcddp.diagnostics.recorder import P2P_OPS
+
+_SELF_TIMED = ("monitored_barrier",)   # it raises on its own timeout, naming the missing ranks
+
+
+def format_ranks(ranks) -> str:
+    """[0, 1, 2, 3, 7, 9, 10] -> '0-3,7,9,10' (runs of three or more become ranges)."""
+    rs = sorted(set(int(r) for r in ranks))
+    out, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        if j - i >= 2:
+            out.append(f"{rs[i]}-{rs[j]}")
+        else:
+            out.extend(str(r) for r in rs[i:j + 1])
+        i = j + 1
+    return ",".join(out)
+
+
+def ranks_word(ranks) -> str:
+    return ("rank " if len(set(ranks)) == 1 else "ranks ") + format_ranks(ranks)
+
+
+def _peer_text(d: dict) -> str:
+    op, peer = d.get("op"), d.get("peer")
+    if peer is None:
+        return "from any rank" if op == "recv" else ""
+    ranks = d.get("ranks") or []
+    world = ranks[peer] if isinstance(peer, int) and 0 <= peer < len(ranks) else peer
+    if op == "send":
+        return f"to rank {world}"
+    if op == "recv":
+        return f"from rank {world}"
+    if op in ("broadcast", "scatter", "broadcast_object", "scatter_object_list"):
+        return f"src={peer}"
+    return f"dst={peer}"
+
+
+def op_args(d: dict, with_dtype: bool = True) -> str:
+    parts = []
+    p = _peer_text(d)
+    if p:
+        parts.append(p)
+    if d.get("shape") is not None:
+        parts.append(f"shape={list(d['shape'])}")
+    if with_dtype and d.get("dtype"):
+        parts.append(str(d["dtype"]))
+    return ", ".join(parts)
+
+
+def op_name(d: dict) -> str:
+    """'all_reduce #57 on WORLD'."""
+    return f"{d['op']} #{d['seq']} on {d['group']}"
+
+
+def op_text(d: dict) -> str:
+    """'all_reduce #57 (shape=[4], float32) on WORLD'."""
+    args = op_args(d)
+    return f"{d['op']} #{d['seq']}{f' ({args})' if args else ''} on {d['group']}"
+
+
+def _key(d: dict) -> tuple:
+    return (d["group"], tuple(d.get("ranks") or ()))
+
+
+def _status(snap: dict | None, gone: dict | None, not_on=None) -> str:
+    """Where a rank is, in one phrase ('in Python at train.py:88 (in step)')."""
+    if snap is None:
+        return dead_text(gone or {})
+    waits = [d for d in snap["inflight"] if d["op"] != "finalize"
+             and (not_on is None or _key(d) != not_on)]
+    exc = snap.get("exception")
+    if waits and not snap.get("blocked", True) and not snap.get("finalizing"):
+        d = max(waits, key=lambda d: d["age"])
+        more = f" and {len(waits) - 1} more" if len(waits) > 1 else ""
+        text = (f"in Python at {snap.get('where', '?')} (with {op_text(d)}{more} started "
+                f"{d['age']:.1f} s ago and not waited for)")
+    elif waits:
+        d = max(waits, key=lambda d: d["age"])
+        text = f"in {op_text(d)} for {d['age']:.1f} s"
+    elif snap.get("finalizing"):
+        text = ("in hpcddp's finalize: its script has ended" +
+                (f" after an uncaught exception ({exc})" if exc else ""))
+        return text
+    else:
+        text = f"in Python at {snap.get('where', '?')}"
+    if exc:
+        text += f", exiting after an uncaught exception ({exc})"
+    return text
+
+
+def dead_text(gone: dict) -> str:
+    state = gone.get("pid_state")
+    host, pid = gone.get("host", "?"), gone.get("pid", "?")
+    waited = gone.get("waited", 0.0)
+    if state == "dead":
+        return f"dead: its process (pid {pid} on {host}) has exited"
+
+    if state == "alive":
+        return (f"unresponsive: its process (pid {pid} on {host}) exists but did not answer "
+                f"the diagnostics exchange within {waited:.1f} s (stopped, swapping, or "
+                f"holding the GIL in native code)")
+    return (f"dead or unresponsive: it did not answer the diagnostics exchange within "
+            f"{waited:.1f} s (pid {pid} on {host}: its process cannot be checked from here)")
+
+
+def _last_on(snap: dict, key) -> dict | None:
+    for g in snap.get("groups", []):
+        if (g["group"], tuple(g["ranks"])) == key:
+            return g
+    return None
+
+
+def stalled_op(snaps: dict) -> tuple:
+    """(rank, entry) of the op the job is stuck in, (None, None) if nothing can stall.
+
+    The oldest in-flight collective (a send/recv only if no collective is in flight) picks
+    the group; on it, the lowest sequence number in flight, and there the op most ranks
+    called (so a minority's wrong call is reported as the odd one out).
+    """
+    # only a rank that waits (a thread blocked in hpcddp) is stuck in its ops; a rank running
+    # Python with an async op in flight (an isend never waited for) is not
+    cands = [(r, d) for r, s in sorted(snaps.items()) if s and s.get("blocked", True)
+             for d in s["inflight"] if d["op"] not in _SELF_TIMED and d["op"] != "finalize"]
+    coll = [(r, d) for r, d in cands if d["op"] not in P2P_OPS]
+    if not cands:
+        return None, None
+    if not coll:
+        return max(cands, key=lambda rd: (rd[1]["age"], -rd[0]))
+    _, oldest = max(coll, key=lambda rd: (rd[1]["age"], -rd[0]))
+    key = _key(oldest)
+    same = [(r, d) for r, d in coll if _key(d) == key]
+    low = min(d["seq"] for _, d in same)
+    at = [(r, d) for r, d in same if d["seq"] == low]
+    votes: dict = {}
+    for r, d in at:
+        votes.setdefault(_call(d), []).append(r)
+    best = max(votes, key=lambda c: (len(votes[c]), -min(votes[c])))
+    return max(((r, d) for r, d in at if _call(d) == best), key=lambda rd: (rd[1]["age"], -rd[0]))
+
+
+def _call(d: dict) -> tuple:
+    return (d["op"], tuple(d.get("shape") or ()), d.get("dtype"), d.get("peer"))
+
+
+def analyse(snaps: dict, gone: dict, size: int) -> dict:
+    """What is stuck and why. snaps: rank -> snapshot; gone: rank -> what is known of a rank
+    that did not answer. Returns {"lines": [...], "hints": [...], "stall": bool}."""
+    lines, hints, kinds = [], [], set()
+    r0, op = stalled_op(snaps)
+    dead = sorted(gone)
+    if dead:
+        kinds.add("dead")
+    if op is None:
+        fin = sorted(r for r, s in snaps.items() if s and s.get("finalizing"))
+        others = sorted(r for r in snaps if r not in fin)
+        if fin:
+            lines.append(f"{ranks_word(fin)} {'has' if len(fin) == 1 else 'have'} reached "
+                         f"hpcddp's finalize (the end of the script) and "
+                         f"{'waits' if len(fin) == 1 else 'wait'} for the others")
+            for status, rs in _grouped({r: _status(snaps[r], None) for r in others}):
+                lines.append(f"{ranks_word(rs)}: {status}")
+        for r in dead:
+            lines.append(f"rank {r} is {dead_text(gone[r])}")
+        return {"lines": lines, "hints": _hints(kinds | ({"finalize"} if fin else set())),
+                "stall": bool(dead)}
+
+    key = _key(op)
+    members = list(op.get("ranks") or range(size))
+    seq = op["seq"]
+    if op["op"] in P2P_OPS:
+        kinds.add("p2p")
+        peer_world = None
+        if isinstance(op.get("peer"), int) and 0 <= op["peer"] < len(members):
+            peer_world = members[op["peer"]]
+        lines.append(f"rank {r0} has waited {op['age']:.1f} s in {op_text(op)}")
+        if peer_world is not None and peer_world != r0:
+            s = snaps.get(peer_world)
+            lines.append(f"rank {peer_world} (its peer) is {_status(s, gone.get(peer_world))}")
+        for r in dead:
+            if r != peer_world:
+                lines.append(f"rank {r} is {dead_text(gone[r])}")
+        return {"lines": lines, "hints": _hints(kinds), "stall": True}
+
+    waiting, other, ages = [], {}, {}
+    for m in members:
+        s = snaps.get(m)
+        if s is None:
+            other[m] = dead_text(gone.get(m, {}))
+            continue
+        mine = sorted((d for d in s["inflight"] if _key(d) == key and d["op"] not in P2P_OPS
+                       and d["op"] != "finalize"),
+                      key=lambda d: d["seq"])
+        if mine:
+            d = mine[0]
+            if d["seq"] == seq and d["op"] == op["op"]:
+                waiting.append(m)
+                ages[m] = d["age"]
+                if d.get("shape") != op.get("shape") or d.get("dtype") != op.get("dtype"):
+                    kinds.add("mismatch")
+                    other[m] = f"called {op['op']} #{seq} with ({op_args(d)}) instead"
+                    waiting.pop()
+            elif d["seq"] == seq:
+                kinds.add("mismatch")
+                other[m] = f"called {op_text(d)} instead"
+            elif d["seq"] > seq:
+                kinds.add("mismatch")
+                other[m] = (f"already passed #{seq} and is in {op_text(d)}: its calls were "
+                            f"matched with different ones on other ranks")
+            else:
+                other[m] = f"is behind, in {op_text(d)}"
+            continue
+        g = _last_on(s, key)
+        done = (g or {}).get("seq") or 0
+        st = _status(s, None, not_on=key)
+        if "finalize" in st:
+            kinds.add("finalize")
+        elif "uncaught exception" in st:
+            kinds.add("exception")
+        elif st.startswith("in Python"):
+            kinds.add("python")
+        else:
+            kinds.add("elsewhere")
+        if done < seq:
+            last = (g or {}).get("last")
+            tail = f"; its last op on {op['group']} was {last['op']} #{last['seq']}" if last else ""
+            other[m] = f"has not called {op['op']} #{seq} on {op['group']}: it is {st}{tail}"
+        else:
+            kinds.add("mismatch")
+            rec = [d for d in (g or {}).get("recent", []) if d and d["seq"] == seq]
+            if rec and rec[0].get("abandoned"):
+                other[m] = (f"called {rec[0]['op']}({op_args(rec[0])}) as #{seq} on "
+                            f"{op['group']}, left it unfinished, and is now {st}")
+            else:
+                as_ = f" (as {rec[0]['op']}({op_args(rec[0])}))" if rec else ""
+                other[m] = (f"already completed #{seq} on {op['group']}{as_} and is now {st}: "
+                            f"its calls were matched with different ones on other ranks")
+    if waiting:
+        lines.append(f"{ranks_word(waiting)} {'has' if len(waiting) == 1 else 'have'} waited "
+                     f"{max(ages.get(w, 0.0) for w in waiting):.1f} s in {op_text(op)}")
+    for text, rs in _grouped(other):
+        if text.startswith("has not called"):
+            if len(rs) > 1:
+                head, _, rest = text.partition(": it is ")
+                lines.append(f"{ranks_word(rs)} have not called {op['op']} #{seq} on "
+                             f"{op['group']}; they are {rest}" if rest else
+                             f"{ranks_word(rs)} {text}")
+            else:
+                lines.append(f"{ranks_word(rs)} {text}")
+        elif text.startswith(("dead", "unresponsive")):
+            lines.append(f"{ranks_word(rs)} {'is' if len(rs) == 1 else 'are'} {text}")
+        else:
+            lines.append(f"{ranks_word(rs)} {text}")
+    for r in dead:
+        if r not in members:
+            lines.append(f"rank {r} (not in {op['group']}) is {dead_text(gone[r])}")
+    return {"lines": lines, "hints": _hints(kinds), "stall": True}
+
+
+def _grouped(status: dict) -> list:
+    """{rank: text} -> [(text, [ranks])] in rank order of first appearance."""
+    out: dict = {}
+    for r in sorted(status):
+        out.setdefault(status[r], []).append(r)
+    return list(out.items())
+
+
+_HINT = {
+    "dead": "A dead rank was killed (signal, out-of-memory killer, segfault, node failure): "
+            "look at the scheduler's log and `dmesg` on its host; the survivors cannot go on "
+            "without it.",
+    "exception": "A rank is exiting after an uncaught exception while the others wait for it: "
+                 "start with `hpcddp run` or `hpcddp.init(abort_on_exception=True)` to end the "
+                 "job at once with that traceback.",
+    "finalize": "A rank reached the end of its script while others still wait in a "
+                "collective: it made fewer collective calls than they did (a collective "
+                "skipped under a rank-dependent condition, a loop with a rank-dependent length, "
+                "an exception caught and the step skipped).",
+    "python": "A rank never called the collective the others wait in: it skipped it (a "
+              "condition true on some ranks only) or is still computing (see its stack). "
+              "Every rank of a group must call the same collectives in the same order.",
+    "mismatch": "Ranks called different collectives at the same point: run with "
+                "HPCDDP_DEBUG=detail to stop at the first mismatched call with the same error "
+                "on every rank.",
+    "elsewhere": "A rank waits in an op on another group or another op: ops on different "
+                 "groups must be called in the same order by the ranks they share.",
+    "p2p": "A send or recv has no matching recv/send on its peer (check tags, peers and the "
+           "order of point-to-point calls on both sides).",
+    "finalize-only": "",
+}
+
+
+def _hints(kinds: set) -> list:
+    order = ("dead", "exception", "mismatch", "finalize", "python", "elsewhere", "p2p")
+    return [_HINT[k] for k in order if k in kinds]
+
+
+def render(snaps: dict, gone: dict, size: int, *, timeout: float, policy: str, job: str,
+           reporter: int, reason: str, analysis: dict | None = None,
+           stacks: bool = True, local_only: bool = False) -> str:
+    """The whole report as text (no rank prefixes: the caller adds them)."""
+    a = analysis or analyse(snaps, gone, size)
+    out = [f"hpcddp stall report: job {job or '?'}, {size} ranks, "
+           f"{time.strftime('%Y-%m-%d %H:%M:%S')}, HPCDDP_TIMEOUT={timeout:g} s, "
+           f"policy {policy}",
+           f"rank {reporter} writes it: {reason}",
+           "", "What is stuck:"]
+    out += [f"  {line}" for line in a["lines"]] or ["  (nothing in flight)"]
+    out += ["", "Every rank:"]
+    for r in range(size):
+        s = snaps.get(r)
+        if s is None and r not in gone:
+            if not local_only:
+                out.append(f"  rank {r}: (no state)")
+            continue
+        if s is None:
+            g = gone.get(r, {})
+            out.append(f"  rank {r} ({g.get('host', '?')}, pid {g.get('pid', '?')}): "
+                       f"{dead_text(g)}")
+            continue
+        last = [g["last"] for g in s.get("groups", []) if g.get("last")]
+        last_text = ""
+        if last:
+            lt = min(last, key=lambda d: d["done_ago"])
+            last_text = f"; last completed: {op_name(lt)} {lt['done_ago']:.1f} s ago"
+        out.append(f"  rank {r} ({s['host']}, pid {s['pid']}): {_status(s, None)}{last_text}")
+    if a["hints"]:
+        out += ["", "What to do:"] + [f"  - {h}" for h in a["hints"]]
+    if stacks:
+        out += ["", "Python stacks (most recent call last):"]
+        for r in range(size):
+            s = snaps.get(r)
+            if s is None:
+                continue
+            out.append(f"  --- rank {r}, main thread ---")
+            out += [f"  {line}" for line in (s.get("stack") or "(no stack)").splitlines()]
+            for name, st in sorted(s.get("threads", {}).items()):
+                out.append(f"  --- rank {r}, thread {name!r} ---")
+                out += [f"  {line}" for line in st.splitlines()]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,347 @@
+"""The watchdog: one thread per rank that turns a stalled op into one explained report.
+
+How it works (docs/hangs.md has the long version):
+
+- At init every rank duplicates COMM_WORLD into a communicator reserved for diagnostics
+  (never the user's, never an op's) and exchanges its PID and host name on it.
+- The thread wakes every ``poll`` seconds (a tenth of HPCDDP_TIMEOUT, at most 1 s). A rank is
+  *stalled* when one of its threads waits in hpcddp code (an op, a Work, the mismatch check,
+  hpcddp's finalize), no op has started or ended on the rank for HPCDDP_TIMEOUT seconds, and
+  an op is in flight. A same-host peer whose process has gone is noticed at once.
+- A stalled rank tells the coordinator (the lowest rank not known to be dead) with a
+  non-blocking send. The coordinator asks every rank for its state (in-flight ops, last ops
+  per group, Python stacks) with non-blocking point-to-point messages on the diagnostics
+  communicator, waits at most HPCDDP_PEER_TIMEOUT seconds for the answers (the watchdog
+  threads answer even while their main threads sit in a blocking MPI call: mpi4py releases
+  the GIL there), names the ranks that did not answer as dead or unresponsive, writes the
+  report to its stderr and to ``hpcddp-stall-<jobid>.txt``, then aborts the job
+  (HPCDDP_STALL_POLICY=abort, exit code 3) or warns again after another timeout (warn).
+- If the coordinator does not ask within HPCDDP_PEER_TIMEOUT (it is dead), the next lowest
+  rank takes over.
+
+The thread needs MPI_THREAD_MULTIPLE (hpcddp asks for it). With a lower level granted, each
+stalled rank reports only its own state (it cannot talk to the others from a thread).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+import time
+
+from hpcddp.comm import output as _log
+from hpcddp.comm._mpi import MPI
+from hpcddp.diagnostics import config as _cfg
+from hpcddp.diagnostics import recorder as _rec
+from hpcddp.diagnostics import report as _report
+from hpcddp.diagnostics import state as _state
+
+TAG_REQ, TAG_STATE, TAG_STALL, TAG_ACK = 11, 12, 13, 14
+
+
+def pid_state(pid: int) -> str:
+    """'dead', 'alive' (for a PID on this host)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "dead"
+    except PermissionError:
+        return "alive"
+    except OSError:
+        return "alive"
+    try:  # a killed rank not yet reaped by its launcher daemon is a zombie: dead too
+        with open(f"/proc/{pid}/stat") as f:
+            st = f.read().rsplit(")", 1)[1].split()[0]
+        if st in ("Z", "X"):
+            return "dead"
+    except (OSError, IndexError):
+        pass
+    return "alive"
+
+
+class Watchdog:
+    def __init__(self, world, settings: _cfg.Settings, host: str):
+        self.world = world                       # hpcddp's WORLD Communicator (for records)
+        self.settings = settings
+        self.diag = MPI.COMM_WORLD.Dup()         # collective: every rank runs init
+        self.rank = self.diag.Get_rank()
+        self.size = self.diag.Get_size()
+        self.host = host
+        self.pid = os.getpid()
+        info = self.diag.allgather((self.pid, host))
+        self.pids = [p for p, _ in info]
+        self.hosts = [h for _, h in info]
+        local = [r for r in range(self.size) if self.hosts[r] == host and r != self.rank]
+        # PIDs are only comparable inside one PID namespace: trust them only if every
+        # same-host peer's PID is visible now
+        self.local_peers = local if settings.pid_check and all(
+            pid_state(self.pids[r]) == "alive" for r in local) else []
+        self.multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        self.job = _cfg.job_id() or f"{self.hosts[0]}-{self.pids[0]}"
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._sends: list = []
+        self._replies: dict = {}
+        self._ids = itertools.count(1)
+        self._suspect: set = set()
+        self._notice = None
+        self._quiet_until = 0.0
+        self._awaiting = None                    # (coordinator, sent_at) of my last notice
+        self._notified_at = -1e30
+        self._stopping = False
+        self._errors = 0
+        self._dead_seen: set = set()
+        self.reports = 0
+        self.thread = threading.Thread(target=self._run, name="hpcddp-watchdog", daemon=True)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._stop.set()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout=max(2.0, 2 * self.settings.peer_timeout))
+        with self._lock:
+            self._drain()
+            for r in self._sends:
+                try:
+                    if not r.Test():
+                        r.Cancel()
+                        r.Wait()
+                except MPI.Exception:
+                    pass
+            self._sends = []
+        try:
+            self.diag.Free()
+        except MPI.Exception:
+            pass
+
+    def set_timeout(self, timeout: float | None) -> None:
+        s = self.settings
+        peer = s.peer_timeout if "HPCDDP_PEER_TIMEOUT" in os.environ else \
+            max(0.2, min(5.0, timeout or _cfg.DEFAULT_TIMEOUT))
+        self.settings = _cfg.Settings(timeout=timeout, policy=s.policy, peer_timeout=peer,
+                                      report_dir=s.report_dir, detail=s.detail,
+                                      pid_check=s.pid_check)
+
+    # -- messages --------------------------------------------------------------------------------
+    def _send(self, obj, dest: int, tag: int) -> None:
+        with self._lock:
+            self._sends = [r for r in self._sends if not r.Test()]
+            self._sends.append(self.diag.isend(obj, dest=dest, tag=tag))
+
+    def _drain(self) -> None:
+        status = MPI.Status()
+        while True:
+            msg = self.diag.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if msg is None:
+                return
+            msg.recv()
+
+    def _serve(self) -> None:
+        """Handle every message that has arrived (any thread; one at a time)."""
+        if not self.multiple and threading.current_thread() is self.thread:
+            return
+        with self._lock:
+            status = MPI.Status()
+            while True:
+                msg = self.diag.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                if msg is None:
+                    return
+                obj = msg.recv()
+                src, tag = status.Get_source(), status.Get_tag()
+                if tag == TAG_REQ:
+                    if self._awaiting is not None and self._awaiting[0] == src:
+                        self._awaiting = None           # the coordinator is alive and on it
+                        self._notified_at = time.monotonic()
+                    self._send((obj[0], self._snapshot()), src, TAG_STATE)
+                elif tag == TAG_STATE:
+                    box = self._replies.get(obj[0])
+                    if box is not None:
+                        box[src] = obj[1]
+                elif tag == TAG_STALL:
+                    self._send(None, src, TAG_ACK)     # "alive, and on it"
+                    self._suspect.update(r for r in obj.get("suspect", ()) if r != self.rank)
+                    if self._notice is None:
+                        self._notice = obj
+                elif tag == TAG_ACK:
+                    if self._awaiting is not None and self._awaiting[0] == src:
+                        self._awaiting = None
+
+    def _snapshot(self) -> dict:
+        return _state.snapshot(self.rank, self.host, self.pid, exclude_thread=self.thread.ident)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._serve()
+                self._check()
+            except Exception as exc:  # the watchdog must never take the job down by itself
+                self._errors += 1
+                if self._errors <= 3:
+                    _log.log(f"hpcddp watchdog: internal error (ignored): "
+                             f"{type(exc).__name__}: {exc}")
+            self._stop.wait(self.settings.poll)
+
+    def _coordinator(self) -> int:
+        for r in range(self.size):
+            if r not in self._suspect:
+                return r
+        return self.rank
+
+    def _dead_local(self, ranks) -> list:
+        return [r for r in ranks if r in self.local_peers and pid_state(self.pids[r]) == "dead"]
+
+    def local_stall(self, now: float | None = None):
+        """(reason, immediate) if this rank is stalled now, else None."""
+        timeout = self.settings.timeout
+        if timeout is None:
+            return None
+        blocked = _state.blocked_threads(exclude=(self.thread.ident,))
+        if not blocked:
+            return None
+        now = time.monotonic() if now is None else now
+        dead = self._dead_local(self.local_peers)
+        # in hpcddp's finalize a peer may end an instant before this rank sees the barrier
+        # complete (MPI libraries whose MPI_Finalize does not synchronise): a death counts
+        # there only when seen twice, a poll apart
+        if dead and any(n == "finalize" for n in self._inflight_ops()):
+            dead, self._dead_seen = [r for r in dead if r in self._dead_seen], set(dead)
+        if dead:
+            return (f"{_report.ranks_word(dead)} died (process gone: "
+                    f"{', '.join(f'pid {self.pids[r]}' for r in dead)}) while rank "
+                    f"{self.rank} waits for the others", True)
+        activity, oldest = 0.0, None
+        for e in list(_rec.RECORDER.buf):
+            if e is None:
+                continue
+            t = e[_rec.T_END] or e[_rec.T_START]
+            if t > activity:
+                activity = t
+            if e[_rec.T_END] == 0.0 and e[_rec.OP] not in _report._SELF_TIMED:
+                if oldest is None or e[_rec.T_START] < oldest[_rec.T_START]:
+                    oldest = e
+        if oldest is None or now - activity < timeout or now - oldest[_rec.T_START] < timeout:
+            return None
+        d = _rec.describe(oldest, now)
+        return (f"rank {self.rank} has waited {d['age']:.1f} s in {_report.op_name(d)}", False)
+
+    @staticmethod
+    def _inflight_ops() -> list:
+        return [e[_rec.OP] for e in list(_rec.RECORDER.buf)
+                if e is not None and e[_rec.T_END] == 0.0]
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        local = self.local_stall(now)
+        with self._lock:
+            notice, self._notice = self._notice, None
+        if not self.multiple:
+            if local is not None and now >= self._quiet_until:
+                self._report_local(local[0])
+            return
+        # a notice I sent went unanswered: its coordinator is dead, go to the next one
+        if self._awaiting is not None:
+            coord, sent = self._awaiting
+            if now - sent > self.settings.peer_timeout or self._dead_local([coord]):
+                self._suspect.add(coord)
+                self._awaiting = None
+                self._notified_at = -1e30
+        if local is None and notice is None:
+            return
+        coord = self._coordinator()
+        if coord == self.rank:
+            if now < self._quiet_until and not (local and local[1]):
+                return
+            reason = local[0] if local is not None else notice.get("reason", "?")
+            self._report(reason, now)
+        elif local is not None and self._awaiting is None:
+            again = max(self.settings.timeout or 0.0, 3 * self.settings.peer_timeout)
+            if now - self._notified_at < again and not local[1]:
+                return
+            self._awaiting = (coord, now)
+            self._notified_at = now
+            self._send({"reason": local[0], "suspect": sorted(self._suspect)}, coord, TAG_STALL)
+
+    # -- gathering and reporting -------------------------------------------------------------------
+    def query(self, ranks, wait: float) -> tuple:
+        """Ask RANKS for their state: ({rank: snapshot}, {rank: what is known if no answer})."""
+        qid = (self.rank, next(self._ids))
+        with self._lock:
+            box = self._replies[qid] = {}
+        for r in ranks:
+            if r == self.rank:
+                box[r] = self._snapshot()
+            else:
+                self._send((qid,), r, TAG_REQ)
+        deadline = time.monotonic() + wait
+        while True:
+            self._serve()
+            missing = [r for r in ranks if r not in box]
+            if not missing or time.monotonic() >= deadline:
+                break
+            if not self._stopping and set(missing) <= set(self._dead_local(missing)):
+                break                                # they cannot answer: don't wait for them
+            time.sleep(0.01)
+        waited = wait - max(0.0, deadline - time.monotonic())
+        with self._lock:
+            self._replies.pop(qid, None)
+        gone = {}
+        for r in ranks:
+            if r not in box:
+                same = r in self.local_peers
+                gone[r] = {"host": self.hosts[r], "pid": self.pids[r], "waited": waited,
+                           "pid_state": pid_state(self.pids[r]) if same else "unknown"}
+        return dict(box), gone
+
+    def _report(self, reason: str, now: float) -> None:
+        snaps, gone = self.query(list(range(self.size)), self.settings.peer_timeout)
+        if self._stopping:
+            return
+        self._suspect.update(gone)
+        analysis = _report.analyse(snaps, gone, self.size)
+        if not analysis["stall"]:
+            # e.g. ranks wait in finalize for one still running Python: slow, not stuck
+            self._quiet_until = time.monotonic() + (self.settings.timeout or 0.0)
+            return
+        text = _report.render(snaps, gone, self.size, timeout=self.settings.timeout or 0.0,
+                              policy=self.settings.policy, job=self.job, reporter=self.rank,
+                              reason=reason, analysis=analysis)
+        self._emit(text)
+
+    def _report_local(self, reason: str) -> None:
+        snap = self._snapshot()
+        text = _report.render({self.rank: snap}, {}, self.size,
+                              timeout=self.settings.timeout or 0.0, policy=self.settings.policy,
+                              job=self.job, reporter=self.rank,
+                              reason=reason + " (MPI gave less than MPI_THREAD_MULTIPLE: this "
+                              "rank cannot ask the others, so it reports only itself)",
+                              local_only=True)
+        self._emit(text, suffix=f".rank{self.rank}")
+
+    def _emit(self, text: str, suffix: str = "") -> None:
+        self.reports += 1
+        path = os.path.join(self.settings.report_dir, f"hpcddp-stall-{self.job}{suffix}.txt")
+        try:
+            with open(path, "a") as f:
+                f.write(text + "\n")
+            where = f"the report is also in {path}"
+        except OSError as exc:
+            where = f"could not write {path}: {exc}"
+        abort = self.settings.policy == "abort"
+        tail = (f"{where}\naborting the job (HPCDDP_STALL_POLICY=abort; exit code "
+                f"{_cfg.STALL_EXIT_CODE})" if abort else
+                f"{where}\nwaiting on (HPCDDP_STALL_POLICY=warn): next report in "
+                f"{self.settings.timeout:g} s if still stuck")
+        try:
+            sys.stdout.flush()
+        except Exception:
+            pass
+        _log.log(text.rstrip("\n") + "\n" + tail)
+        if abort and not self._stopping:
+            MPI.COMM_WORLD.Abort(_cfg.STALL_EXIT_CODE)
+        self._quiet_until = time.monotonic() + (self.settings.timeout or 0.0)

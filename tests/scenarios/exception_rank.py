@@ -1,0 +1,29 @@
+"""An exception on one rank (rank 2 of 4) at step 3 while the others go on to all_reduce.
+
+argv[1] == "abort": hpcddp.init(abort_on_exception=True): the job ends at once, exit code 1,
+with rank 2's traceback. Otherwise rank 2's script ends with the exception (Python prints it
+and runs hpcddp's finalize) while the others wait in all_reduce: the stall report names it.
+"""
+import sys
+import time
+
+import torch
+
+import hpcddp
+
+rt = hpcddp.init(abort_on_exception=len(sys.argv) > 1 and sys.argv[1] == "abort")
+rank = rt.world.rank
+bad = min(2, rt.world.size - 1)
+
+
+def load_batch(step):
+    if rank == bad and step == 3:
+        print(f"[rank{rank}] stall point {time.time():.3f}", flush=True)
+        raise ValueError(f"corrupt sample in batch {step}")
+    return torch.full((8,), float(step))
+
+
+for step in range(1, 6):
+    batch = load_batch(step)
+    hpcddp.all_reduce(batch)
+print(f"[rank{rank}] done", flush=True)

@@ -1,0 +1,276 @@
+"""Diagnostics without MPI: recorder, settings, the mismatch message, the stall report's text."""
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hpcddp.diagnostics import config, mismatch, recorder, report, state
+
+
+class FakeComm:
+    def __init__(self, name="WORLD", ranks=(0, 1, 2, 3), rank=0, uid=1):
+        self.name, self.world_ranks, self.rank, self.uid = name, tuple(ranks), rank, uid
+        self.size, self.seq = len(ranks), 0
+
+
+# -- flight recorder ----------------------------------------------------------------------------
+
+def test_recorder_counts_collectives_per_group_and_p2p_apart():
+    rec = recorder.FlightRecorder(8)
+    a, b = FakeComm("A", uid=1), FakeComm("B", uid=2)
+    e1 = rec.start(a, "all_reduce", torch.Size([4]), torch.float32)
+    e2 = rec.start_p2p(a, "send", torch.Size([4]), torch.float32, 1)
+    e3 = rec.start(a, "broadcast", torch.Size([2]), torch.float32, 0)
+    e4 = rec.start(b, "barrier")
+    assert [e1[0], e2[0], e3[0], e4[0]] == [1, 1, 2, 1]    # send does not move A's number
+    assert a.seq == 2 and rec.p2p_seq(a) == 1
+    recorder.end(e1)
+    assert [e[recorder.OP] for e in rec.in_flight()] == ["send", "broadcast", "barrier"]
+
+
+def test_recorder_is_a_bounded_ring():
+    rec = recorder.FlightRecorder(4)
+    c = FakeComm()
+    for _ in range(10):
+        recorder.end(rec.start(c, "all_reduce"))
+    got = rec.entries()
+    assert len(got) == 4 and [e[0] for e in got] == [7, 8, 9, 10]
+
+
+def test_recorder_from_threads_loses_nothing():
+    rec = recorder.FlightRecorder(4096)
+    comms = [FakeComm(uid=i) for i in range(4)]
+
+    def work(c):
+        for _ in range(500):
+            recorder.end(rec.start(c, "all_reduce"))
+    ts = [threading.Thread(target=work, args=(c,)) for c in comms]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len(rec.entries()) == 2000
+
+
+def test_describe_is_plain_data():
+    c = FakeComm("group[0, 2]", ranks=(0, 2), rank=1)
+    e = recorder.RECORDER.start(c, "reduce", torch.Size([3, 2]), torch.bfloat16, 0)
+    d = recorder.describe(e)
+    recorder.end(e)
+    assert d["op"] == "reduce" and d["shape"] == [3, 2] and d["dtype"] == "bfloat16"
+    assert d["group"] == "group[0, 2]" and d["ranks"] == [0, 2] and d["peer"] == 0
+    assert d["done_ago"] is None and not d["abandoned"]
+
+
+# -- settings -----------------------------------------------------------------------------------
+
+def test_settings_defaults_and_overrides():
+    s = config.read({})
+    assert s.timeout == config.DEFAULT_TIMEOUT and s.policy == "abort" and not s.detail
+    assert s.peer_timeout == 5.0 and s.pid_check
+    s = config.read({"HPCDDP_TIMEOUT": "4", "HPCDDP_STALL_POLICY": "warn",
+                     "HPCDDP_DEBUG": "detail", "HPCDDP_PID_CHECK": "0"})
+    assert (s.timeout, s.policy, s.detail, s.peer_timeout, s.pid_check) == (4.0, "warn", True,
+                                                                            4.0, False)
+    assert config.read({"HPCDDP_TIMEOUT": "off"}).timeout is None
+    assert config.read({"HPCDDP_TIMEOUT": "0"}).timeout is None
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"HPCDDP_STALL_POLICY": "kill"}, "abort, warn"),
+    ({"HPCDDP_TIMEOUT": "soon"}, "seconds"),
+    ({"HPCDDP_TIMEOUT": "-3"}, "seconds"),
+    ({"HPCDDP_PEER_TIMEOUT": "x"}, "HPCDDP_PEER_TIMEOUT"),
+])
+def test_bad_settings_are_rejected_with_the_valid_ones(env, words):
+    with pytest.raises(ValueError, match=words):
+        config.read(env)
+
+
+def test_timeout_accepts_timedelta():
+    from datetime import timedelta
+    assert config.timeout_from(timedelta(minutes=2)) == 120.0
+
+
+def test_detail_in_a_list():
+    assert config.detail_enabled({"HPCDDP_DEBUG": "trace,detail"})
+    assert not config.detail_enabled({"HPCDDP_DEBUG": "1"})
+
+
+def test_job_id():
+    assert config.job_id({"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "0"}) == "123.0"
+    assert config.job_id({"PMIX_NAMESPACE": "prterun-vm-14592@1"}) == "prterun-vm-14592-1"
+    assert config.job_id({}) == ""
+
+
+# -- mismatch check -----------------------------------------------------------------------------
+
+def _rows(*calls):
+    return np.stack([mismatch.fingerprint(*c) for c in calls])
+
+
+def test_mismatch_message_names_the_odd_rank():
+    rows = _rows(("all_reduce", 5, [4], torch.float32), ("broadcast", 5, [4], torch.float32, 0),
+                 ("all_reduce", 5, [4], torch.float32), ("all_reduce", 5, [4], torch.float32))
+    msg = mismatch.mismatch_message("WORLD", range(4), rows)
+    assert "rank 1 called broadcast(src=0, shape=[4]) while ranks 0,2,3 called " \
+           "all_reduce(shape=[4])" in msg
+    assert msg.startswith("collective mismatch on group WORLD at collective #5")
+
+
+def test_mismatch_shows_seq_and_dtype_only_when_they_differ():
+    rows = _rows(("all_reduce", 5, [4], torch.float32), ("all_reduce", 6, [4], torch.float64))
+    msg = mismatch.mismatch_message("g", [3, 7], rows)
+    assert "rank 3 called all_reduce #5(shape=[4], dtype=float32)" in msg
+    assert "rank 7 called all_reduce #6(shape=[4], dtype=float64)" in msg
+
+
+def test_fingerprint_ignores_shapes_where_they_may_differ():
+    a = mismatch.fingerprint("all_to_all", 1, [3, 2], torch.float32)
+    b = mismatch.fingerprint("all_to_all", 1, [5, 2], torch.float32)
+    assert (a == b).all()
+    big = mismatch.fingerprint("all_reduce", 1, [1] * 8, torch.float32)
+    assert "8 dims" in mismatch.describe(big)
+
+
+def test_mismatch_three_kinds_in_rank_order():
+    rows = _rows(("barrier", 2), ("all_reduce", 2, [1], torch.float32),
+                 ("all_reduce", 2, [1], torch.float32), ("gather", 2, [1], torch.float32, 0))
+    msg = mismatch.mismatch_message("WORLD", range(4), rows)
+    assert "rank 0 called barrier(), rank 3 called gather(dst=0, shape=[1]) while ranks 1,2 " \
+           "called all_reduce(shape=[1])" in msg
+
+
+def test_collectives_choose_the_checked_record_only_when_enabled():
+    import hpcddp.collectives._common as common
+    if config.detail_enabled():
+        assert common.record is mismatch.checked_start
+    else:
+        assert common.record is recorder.start      # nothing added to the ops when off
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+def _op(op, seq, age, shape=(4,), group="WORLD", ranks=(0, 1, 2, 3), peer=None, done=None):
+    return {"op": op, "seq": seq, "group": group, "ranks": list(ranks), "grank": 0,
+            "shape": list(shape) if shape is not None else None, "dtype": "float32",
+            "peer": peer, "age": age, "done_ago": done, "abandoned": False}
+
+
+def _snap(rank, inflight=(), seq=0, where="train.py:88 (in step)", blocked=None, **kw):
+    last = _op("all_reduce", seq, 9.0, done=8.0) if seq else None
+    s = {"rank": rank, "host": "n1", "pid": 100 + rank, "inflight": list(inflight),
+         "groups": [{"group": "WORLD", "ranks": [0, 1, 2, 3], "seq": seq, "p2p_seq": 0,
+                     "last": last, "recent": [last] if last else []}],
+         "where": where, "stack": f'  File "train.py", line 88, in step', "threads": {},
+         "exception": None, "finalizing": False,
+         "blocked": bool(inflight) if blocked is None else blocked}
+    s.update(kw)
+    return s
+
+
+def test_report_names_ranks_that_never_arrived():
+    snaps = {r: _snap(r, [_op("all_reduce", 57, 6.0)], seq=56) for r in (0, 2)}
+    snaps[1] = _snap(1, [_op("broadcast", 57, 6.5, peer=0)], seq=56)
+    snaps[3] = _snap(3, seq=56)
+    a = report.analyse(snaps, {}, 4)
+    text = "\n".join(a["lines"])
+    assert "ranks 0,2 have waited 6.0 s in all_reduce #57 (shape=[4], float32) on WORLD" in text
+    assert "rank 1 called broadcast #57 (src=0, shape=[4], float32) on WORLD instead" in text
+    assert "rank 3 has not called all_reduce #57 on WORLD: it is in Python at train.py:88 " \
+           "(in step)" in text
+    assert a["stall"] and any("HPCDDP_DEBUG=detail" in h for h in a["hints"])
+
+
+def test_report_groups_ranks_with_the_same_story():
+    snaps = {0: _snap(0, [_op("all_reduce", 57, 6.0)], seq=56)}
+    for r in (1, 3):
+        snaps[r] = _snap(r, seq=56)
+    snaps[2] = _snap(2, [_op("all_reduce", 57, 6.0)], seq=56)
+    text = "\n".join(report.analyse(snaps, {}, 4)["lines"])
+    assert "ranks 1,3 have not called all_reduce #57 on WORLD; they are in Python at " \
+           "train.py:88 (in step)" in text
+
+
+def test_report_names_dead_and_unresponsive_ranks():
+    snaps = {r: _snap(r, [_op("all_reduce", 4, 3.5)], seq=3) for r in (0, 2)}
+    gone = {1: {"host": "n1", "pid": 4242, "pid_state": "dead", "waited": 0.0},
+            3: {"host": "n2", "pid": 77, "pid_state": "unknown", "waited": 5.0}}
+    a = report.analyse(snaps, gone, 4)
+    text = "\n".join(a["lines"])
+    assert "rank 1 is dead: its process (pid 4242 on n1) has exited" in text
+    assert "rank 3 is dead or unresponsive: it did not answer the diagnostics exchange within " \
+           "5.0 s" in text
+    full = report.render(snaps, gone, 4, timeout=3, policy="abort", job="j", reporter=0,
+                         reason="r")
+    assert "rank 1 (n1, pid 4242): dead" in full and "--- rank 0, main thread ---" in full
+
+
+def test_report_finalize_and_exception():
+    snaps = {r: _snap(r, [_op("all_reduce", 3, 3.2)], seq=2) for r in (0, 1, 3)}
+    snaps[2] = _snap(2, [_op("finalize", 2, 3.4)], seq=2, finalizing=True, blocked=True,
+                     exception="ValueError: corrupt sample in batch 3")
+    text = "\n".join(report.analyse(snaps, {}, 4)["lines"])
+    assert "rank 2 has not called all_reduce #3 on WORLD: it is in hpcddp's finalize: its " \
+           "script has ended after an uncaught exception (ValueError: corrupt sample in " \
+           "batch 3)" in text
+
+
+def test_ranks_in_finalize_waiting_for_python_is_not_a_stall():
+    snaps = {r: _snap(r, [_op("finalize", 9, 5.0)], seq=9, finalizing=True) for r in (1, 2, 3)}
+    snaps[0] = _snap(0, seq=9, where="train.py:120 (in save_checkpoint)")
+    a = report.analyse(snaps, {}, 4)
+    assert not a["stall"]
+    assert "rank 0: in Python at train.py:120 (in save_checkpoint)" in "\n".join(a["lines"])
+
+
+def test_async_op_never_waited_is_not_a_stall():
+    snaps = {r: _snap(r, seq=3) for r in (1, 2, 3)}
+    snaps[0] = _snap(0, [_op("send", 1, 40.0, peer=1)], seq=3, blocked=False)
+    r, op = report.stalled_op(snaps)
+    assert op is None
+
+
+def test_p2p_stall_names_the_peer():
+    snaps = {0: _snap(0, [_op("recv", 2, 4.0, peer=3)], seq=5), 1: _snap(1, seq=5),
+             2: _snap(2, seq=5), 3: _snap(3, seq=5, where="train.py:12 (in send_back)")}
+    text = "\n".join(report.analyse(snaps, {}, 4)["lines"])
+    assert "rank 0 has waited 4.0 s in recv #2 (from rank 3, shape=[4], float32) on WORLD" in text
+    assert "rank 3 (its peer) is in Python at train.py:12 (in send_back)" in text
+
+
+def test_format_ranks():
+    assert report.format_ranks([0, 2, 3]) == "0,2,3"
+    assert report.format_ranks([7, 0, 1, 2, 3, 9, 10]) == "0-3,7,9,10"
+
+
+# -- this rank's state --------------------------------------------------------------------------
+
+def test_snapshot_sees_a_thread_blocked_in_hpcddp_code():
+    import hpcddp.diagnostics.mismatch as m   # any file under hpcddp/diagnostics counts
+    ev = threading.Lock()
+    ev.acquire()
+    # a C-level wait called from a function "in" hpcddp/diagnostics, as an MPI call would be
+    code = compile("def wait(lock):\n    lock.acquire()\n", m.__file__, "exec")
+    ns = {}
+    exec(code, ns)
+    t = threading.Thread(target=ns["wait"], args=(ev,), name="blocked-one")
+    t.start()
+    try:
+        time.sleep(0.05)
+        assert (t.ident, "blocked-one") in state.blocked_threads()
+        snap = state.snapshot(0, "h", os.getpid())
+        assert "blocked-one" in snap["threads"] and snap["blocked"]
+        assert snap["where"].startswith("test_diagnostics.py:")
+    finally:
+        ev.release()
+        t.join()
+
+
+def test_user_frame_skips_library_frames():
+    f = sys._getframe()
+    assert state.where(f).startswith("test_diagnostics.py:")
