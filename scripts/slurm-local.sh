@@ -21,7 +21,8 @@
 #   SLURM_LOCAL_DIR=/var/lib/slurm-local   state, spool, logs, per-node scratch
 #
 # Why these settings (the machine has no systemd and no cgroup delegation, and runs as root):
-#   proctrack/linuxproc + task/none  work without cgroups; SlurmUser=root  no slurm user needed;
+#   proctrack/linuxproc + task/affinity  work without cgroups (task/affinity pins tasks with
+#   sched_setaffinity, so --cpu-bind works as on a cluster); SlurmUser=root  no slurm user needed;
 #   select/cons_tres CR_Core  schedule cores (and GRES) like a real cluster; OverSubscribe=YES
 #   lets several small jobs share the cores when they ask for it (--oversubscribe);
 #   no slurmdbd, so `sacct` has no data: MinJobAge keeps finished jobs in `scontrol show job`,
@@ -101,7 +102,7 @@ SlurmdPidFile=$DIR/run/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 JobAcctGatherType=jobacct_gather/none

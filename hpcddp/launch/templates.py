@@ -394,8 +394,9 @@ _STAGE = """\
 export STAGED_DATA=$STAGE_DEST
 echo "[job] $(date +%T) staging $STAGE_SRC -> $STAGE_DEST on ${SLURM_NNODES} node(s)"
 if [ -f "$STAGE_SRC/manifest.json" ]; then
+    # One rank per node is enough: node leaders do the work. No progress bars in a batch log.
     run_step "${SRUN[@]}" --ntasks-per-node=1 --ntasks="$SLURM_NNODES" \\
-        hpcddp stage "$STAGE_SRC" "$STAGE_DEST"
+        hpcddp stage --no-progress "$STAGE_SRC" "$STAGE_DEST"
 else
     # Copy to a per-node temporary name, then rename: a half copy is never mistaken for data.
     run_step srun --ntasks-per-node=1 --ntasks="$SLURM_NNODES" bash -c '

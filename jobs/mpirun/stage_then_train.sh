@@ -94,7 +94,7 @@ run_step() {
 mpi_cmd 1 "$NODES"
 echo "[job] $(date +%T) staging $STAGE_SRC -> $STAGE_DEST on $NODES machine(s)"
 if [ -f "$STAGE_SRC/manifest.json" ]; then
-    run_step "${MPI_CMD[@]}" hpcddp stage "$STAGE_SRC" "$STAGE_DEST"
+    run_step "${MPI_CMD[@]}" hpcddp stage --no-progress "$STAGE_SRC" "$STAGE_DEST"
 else
     run_step "${MPI_CMD[@]}" bash -c '
         set -e; [ -d "$2" ] && exit 0; tmp="$2.partial.$(hostname).$$"

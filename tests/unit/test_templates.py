@@ -156,7 +156,7 @@ def test_stage_settings():
                   data_arg="")
     assert 'STAGE_SRC="/gpfs/d"\n' in text and 'STAGE_DEST="$SCRATCH/x"\n' in text
     assert "DATA_ARG=''\n" in text
-    assert "hpcddp stage \"$STAGE_SRC\" \"$STAGE_DEST\"" in text
+    assert "hpcddp stage --no-progress \"$STAGE_SRC\" \"$STAGE_DEST\"" in text
 
 
 def test_render_is_deterministic():
