@@ -26,6 +26,7 @@ def default_stage_dest() -> str:
 class DemoConfig:
     workdir: str = "hpcddp-demo"
     stage_dest: str = ""                # "" -> default_stage_dest()
+    staged: str = ""                    # train from DIR/{train,test}, staged by a job step
     format: str = "lmdb"
     backend: str = "hpcddp"
     epochs: int = 12
@@ -118,6 +119,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="node-local directory to stage into; {node} is replaced by the node "
                         "index (default: $SLURM_TMPDIR or $TMPDIR or /tmp, then "
                         "hpcddp-demo-UID/node{node})")
+    g.add_argument("--staged", default=d.staged, metavar="DIR",
+                   help="skip writing, packing and staging: train and evaluate from DIR/train "
+                        "and DIR/test, staged earlier (`hpcddp stage`, e.g. by a job step); "
+                        "$VARS and {node} are resolved on each node (jobs/slurm/demo.sbatch)")
     g.add_argument("--format", choices=FORMATS, default=d.format,
                    help="packed format (default: %(default)s)")
     g.add_argument("--shard-size", type=int, default=d.shard_size, metavar="BYTES",

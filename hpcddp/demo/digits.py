@@ -126,3 +126,31 @@ def write_digits(root: str, *, test_fraction: float = 0.2, seed: int = 0,
         json.dump(summary, f, indent=1, sort_keys=True)
         f.write("\n")
     return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hpcddp.demo.digits OUT``: write the PNG folders (jobs/slurm/demo.sbatch)."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m hpcddp.demo.digits",
+                                description="Write scikit-learn's digits as PNG files in "
+                                            "OUT/{train,test}/<class>/ with a fixed split.")
+    p.add_argument("out", help="folder to write (created; replaced if this tool wrote it)")
+    p.add_argument("--test-fraction", type=float, default=0.2, metavar="F")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="only N samples in all (a stratified subset)")
+    args = p.parse_args(argv)
+    try:
+        s = write_digits(args.out, test_fraction=args.test_fraction, seed=args.seed,
+                         limit=args.limit)
+    except (ValueError, FileExistsError) as exc:
+        import sys
+        print(f"python -m hpcddp.demo.digits: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {s['splits']['train']['samples']} train + {s['splits']['test']['samples']} "
+          f"test digits to {os.path.abspath(args.out)}/{{train,test}}/<class>/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

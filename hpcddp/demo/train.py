@@ -106,7 +106,6 @@ def run_job(cfg: DemoConfig) -> dict:
 
     import hpcddp
     from hpcddp import data as hdata
-    from hpcddp.demo.digits import write_digits
     from hpcddp.demo.model import build_model
 
     t_job = time.perf_counter()
@@ -138,42 +137,13 @@ def run_job(cfg: DemoConfig) -> dict:
     if all(a is not None for a in ages):
         phases.times["launch"] = max(ages)  # process start -> here, slowest rank
 
-    # 1. the data set as files, the way users' data sits on a shared filesystem
-    phases.start("data")
-    summary = None
-    if rank == 0:
-        summary = write_digits(digits_dir, test_fraction=cfg.test_fraction, seed=cfg.seed,
-                               limit=cfg.limit)
-    dt = phases.stop()
-    if rank == 0:
-        sp = summary["splits"]
-        say(f"[data] wrote {sp['train']['samples']} train + {sp['test']['samples']} test digits "
-            f"as PNG files in {digits_dir}/{{train,test}}/<class>/  ({dt:.2f} s)")
-
-    # 2. pack: one pass over the small files, into a few large shards
-    phases.start("pack")
-    if rank == 0:
-        for split, out in packed.items():
-            m = hdata.pack(os.path.join(digits_dir, split), out, format=cfg.format,
-                           shard_bytes=cfg.shard_size, label_from_parent=True, overwrite=True,
-                           progress=False)
-            say(f"[pack] {split}: {m.num_samples} samples -> {len(m.shards)} {cfg.format} "
-                f"shard(s), {m.total_bytes / 1024:.0f} KiB in {out}")
-    dt = phases.stop()
-    say(f"[pack] done ({dt:.2f} s)")
-
-    # 3. stage to node-local storage: shared filesystem read once, replicated over MPI
-    phases.start("stage")
-    staged = {}
-    for split, src in packed.items():
-        dest = os.path.join(cfg.stage_dest_resolved, split)
-        res = hdata.stage(src, dest, progress=False)
-        staged[split] = hdata.resolve_dest(dest, topo.node, topo.hostname)
-        if rank == 0:
-            for line in _stage_lines(res):
-                say(f"[stage] {split}: {line}")
-    dt = phases.stop()
-    say(f"[stage] done ({dt:.2f} s)")
+    if cfg.staged:
+        # a job step staged the data already (jobs/slurm/demo.sbatch): find this node's copy
+        base = hdata.resolve_dest(cfg.staged, topo.node, topo.hostname)
+        staged = {s: os.path.join(base, s) for s in ("train", "test")}
+        say(f"[stage] using the copy staged on each node: {base} (rank 0's node)")
+    else:
+        staged = _prepare(cfg, phases, say, rank, topo, digits_dir, packed)
 
     # 4. train
     # setup: process group, data sets, loaders, model, DDP. The first DDP() in a process
@@ -297,6 +267,50 @@ def run_job(cfg: DemoConfig) -> dict:
     dist.destroy_process_group()
     del np
     return results
+
+
+def _prepare(cfg, phases, say, rank, topo, digits_dir, packed) -> dict:
+    """Phases 1-3: write the PNG files, pack them, stage the packs; return the staged paths."""
+    from hpcddp import data as hdata
+    from hpcddp.demo.digits import write_digits
+
+    # 1. the data set as files, the way users' data sits on a shared filesystem
+    phases.start("data")
+    summary = None
+    if rank == 0:
+        summary = write_digits(digits_dir, test_fraction=cfg.test_fraction, seed=cfg.seed,
+                               limit=cfg.limit)
+    dt = phases.stop()
+    if rank == 0:
+        sp = summary["splits"]
+        say(f"[data] wrote {sp['train']['samples']} train + {sp['test']['samples']} test digits "
+            f"as PNG files in {digits_dir}/{{train,test}}/<class>/  ({dt:.2f} s)")
+
+    # 2. pack: one pass over the small files, into a few large shards
+    phases.start("pack")
+    if rank == 0:
+        for split, out in packed.items():
+            m = hdata.pack(os.path.join(digits_dir, split), out, format=cfg.format,
+                           shard_bytes=cfg.shard_size, label_from_parent=True, overwrite=True,
+                           progress=False)
+            say(f"[pack] {split}: {m.num_samples} samples -> {len(m.shards)} {cfg.format} "
+                f"shard(s), {m.total_bytes / 1024:.0f} KiB in {out}")
+    dt = phases.stop()
+    say(f"[pack] done ({dt:.2f} s)")
+
+    # 3. stage to node-local storage: shared filesystem read once, replicated over MPI
+    phases.start("stage")
+    staged = {}
+    for split, src in packed.items():
+        dest = os.path.join(cfg.stage_dest_resolved, split)
+        res = hdata.stage(src, dest, progress=False)
+        staged[split] = hdata.resolve_dest(dest, topo.node, topo.hostname)
+        if rank == 0:
+            for line in _stage_lines(res):
+                say(f"[stage] {split}: {line}")
+    dt = phases.stop()
+    say(f"[stage] done ({dt:.2f} s)")
+    return staged
 
 
 def _human(nbytes: float) -> str:
