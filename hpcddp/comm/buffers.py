@@ -94,7 +94,9 @@ def as_array(t: torch.Tensor, fn: str = "hpcddp", arg: str = "tensor") -> np.nda
     CPU tensors only: a CUDA tensor raises :class:`DeviceTensor` (never a view of device
     memory), which the ops catch to take their device path."""
     entry = _views.get(id(t))
-    if entry is not None and entry[0]() is t and entry[1] == t.data_ptr():
+    # same object, same memory, same size: t.resize_() to fewer elements keeps data_ptr
+    if entry is not None and entry[0]() is t and entry[1] == t.data_ptr() \
+            and entry[2].size == t.numel():
         return entry[2]
     check_tensor(t, fn, arg)
     if not t.is_cpu:
