@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from hpcddp.collectives import _large
+from hpcddp.collectives import _lists
 from hpcddp.collectives._common import (as_array, check_list, finish_or_work, record, resolve,
                                         same_spec)
 from hpcddp.collectives import _device
@@ -82,6 +83,9 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
         return _device.all_to_all(output_tensor_list, input_tensor_list, comm, async_op)
     same_spec(input_tensor_list, ref, fn, "input_tensor_list", same_shape=False)
     same_spec(output_tensor_list, ref, fn, "output_tensor_list", same_shape=False)
+    if _lists.use_p2p(comm):  # zero-copy: each block straight from/into its tensor
+        entry = record(comm, "all_to_all", ref.shape, ref.dtype)
+        return _lists.all_to_all(output_tensor_list, input_tensor_list, comm, async_op, entry)
     flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
     flat_out = torch.empty(sum(t.numel() for t in output_tensor_list), dtype=ref.dtype)
     scounts = [t.numel() for t in input_tensor_list]

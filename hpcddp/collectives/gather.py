@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from hpcddp.collectives import _large
+from hpcddp.collectives import _lists
 from hpcddp.collectives._common import (as_array, check_list, finish_or_work, record,
                                         record_end, resolve, same_spec)
 from hpcddp.collectives import _device
@@ -85,6 +86,9 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         if t.numel() != tensor.numel():
             raise ValueError(f"all_gather: tensor_list[{i}] has {t.numel()} elements, expected "
                              f"{tensor.numel()} (tensor's; every rank sends the same size)")
+    if _lists.use_p2p(comm, tensor.numel()):  # zero-copy: each block straight into its tensor
+        entry = record(comm, "all_gather", tensor.shape, tensor.dtype)
+        return _lists.all_gather(tensor_list, tensor, comm, async_op, entry)
     flat = torch.empty(tensor.numel() * comm.size, dtype=tensor.dtype)
     entry = record(comm, "all_gather", tensor.shape, tensor.dtype)
     reqs = (_large.allgather(comm, as_array(tensor), as_array(flat)) if _large.too_big(flat)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hpcddp.collectives import _large
+from hpcddp.collectives import _lists
 from hpcddp.collectives._common import (IN_PLACE, as_array, check_list, finish_or_work,
                                         post_reduce, pre_reduce, record, record_end,
                                         reduce_op, resolve, same_spec)
@@ -124,5 +125,10 @@ def reduce_scatter(output, input_list, op=SUM, group=None, async_op=False):
         return _device.reduce_scatter(output, input_list, op, comm, async_op)
     check_list(input_list, comm.size, "reduce_scatter", "input_list")
     same_spec(input_list, output, "reduce_scatter", "input_list")
+    if _lists.use_p2p(comm, output.numel()):
+        kind = reduce_op(op, output.dtype, "reduce_scatter")[1]
+        if _lists.reduce_scatter_supported(kind, output.dtype):  # zero-copy inputs
+            entry = record(comm, "reduce_scatter", output.shape, output.dtype)
+            return _lists.reduce_scatter(output, input_list, kind, comm, async_op, entry)
     flat = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)
     return reduce_scatter_tensor(output, flat, op, comm, async_op)
