@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
+from hpcddp.collectives._plans import make_plan, plans as _plans
 from hpcddp.collectives._common import (IN_PLACE, as_array, check_list, finish_or_work,
                                         post_reduce, pre_reduce, record, record_end,
                                         reduce_op, resolve, same_spec)
@@ -25,12 +26,26 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
 
     Rank r holds x_r before; every rank holds op(x_0, ..., x_{n-1}) after.
     """
+    # hot path: SUM on a tensor reduced before (hpcddp.collectives._plans)
+    plan = _plans.get(id(tensor))
+    if plan is not None and (op is SUM or op == SUM) and (plan[2] is group or plan[3] is group) \
+            and plan[0]() is tensor and plan[1] == tensor.data_ptr() \
+            and plan[4] == tensor.numel() and plan[3].mpi is plan[5]:
+        entry = record(plan[3], "all_reduce", plan[6], plan[7])
+        if not async_op:
+            plan[5].Allreduce(IN_PLACE, plan[8], plan[9])
+            record_end(entry)
+            return None
+        return finish_or_work(True, entry, [plan[5].Iallreduce(IN_PLACE, plan[8], plan[9])],
+                              [tensor])
     comm = resolve(group, "all_reduce")
     try:
         arr = as_array(tensor, "all_reduce", "tensor")
     except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
         return _device.all_reduce(tensor, op, comm, async_op)
     mop, kind = reduce_op(op, tensor.dtype, "all_reduce")
+    if kind is SUM_KIND and not _large.too_big(arr):
+        make_plan(tensor, group, comm, arr, mop)
     entry = record(comm, "all_reduce", tensor.shape, tensor.dtype)
     if kind is not SUM_KIND:
         pre_reduce(tensor, op, kind)
