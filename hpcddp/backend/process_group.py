@@ -73,21 +73,13 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
                 raise TypeError(f"allreduce_coalesced: tensors[{i}] has dtype {t.dtype}, expected "
                                 f"{tensors[0].dtype} (one dtype per coalesced call)")
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        work = C.all_reduce(flat, op, self.hpcddp_comm, True)
-        inner = work._finish
-
-        def finish():
-            if inner is not None:
-                inner()
-            off = 0
-            for t in tensors:
-                n = t.numel()
-                t.view(-1).copy_(flat[off:off + n])
-                off += n
-        work._finish = finish
-        work._result = list(tensors)
-        work._keep = flat
-        return work
+        C.all_reduce(flat, op, self.hpcddp_comm, False)  # all_reduce is blocking in MPI anyway
+        off = 0
+        for t in tensors:
+            n = t.numel()
+            t.view(-1).copy_(flat[off:off + n])
+            off += n
+        return CompletedWork(list(tensors))
 
     def reduce(self, tensors, opts):
         return C.reduce(tensors[0], opts.rootRank, opts.reduceOp, self.hpcddp_comm, True)

@@ -2,10 +2,12 @@
 
 An MPI-4 library with large-count ("_c") functions takes such counts whole; Open MPI 5 does
 not, and mpi4py raises MPI_ERR_ARG on every rank before any message. Above the limit hpcddp
-splits the op into pieces of at most PIECE_BYTES, each a non-blocking request, so
-``async_op=True`` stays asynchronous and a Work waits on them all:
+splits the op into pieces of at most PIECE_BYTES, each a non-blocking request where the op is
+non-blocking (a Work waits on them all):
 
-- broadcast, all_reduce, reduce: the same op on each piece (reductions are element-wise);
+- broadcast, all_reduce: the same blocking op on each piece, one after the other (these two
+  ops are blocking MPI calls whatever async_op says: reduce.all_reduce says why);
+- reduce: the same op on each piece (reductions are element-wise);
 - all_gather(_into_tensor): one pieced broadcast per rank, of that rank's block;
 - gather, scatter: pieced point-to-point messages on a private duplicate of the communicator
   (made on first use, by every member, inside the op), so they never match a user's message;
@@ -23,7 +25,7 @@ from __future__ import annotations
 from hpcddp.comm._mpi import MPI
 
 MAX_COUNT = 2**31 - 1
-# every non-blocking reduction piece allocates a temporary of its size inside MPI
+# every outstanding reduction piece allocates a temporary of its size inside MPI
 PIECE_BYTES = 1 << 28
 REFUSED = (MPI.Exception, OverflowError)  # what a too-large count raises, before any message
 _TAG = 7
@@ -60,10 +62,6 @@ def bcast(comm, arr, root) -> list:
 def bcast_now(comm, arr, root) -> None:
     for p in pieces(arr):
         comm.mpi.Bcast(p, root=root)
-
-
-def allreduce(comm, arr, mop) -> list:
-    return [comm.mpi.Iallreduce(MPI.IN_PLACE, p, mop) for p in pieces(arr)]
 
 
 def allreduce_now(comm, arr, mop) -> None:

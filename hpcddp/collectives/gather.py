@@ -10,8 +10,8 @@ import torch
 
 from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
-from hpcddp.collectives._common import (as_array, check_list, finish_or_work, record,
-                                        record_end, resolve, same_spec)
+from hpcddp.collectives._common import (CompletedWork, as_array, check_list, finish_or_work,
+                                        record, record_end, resolve, same_spec)
 from hpcddp.collectives import _device
 from hpcddp.comm.buffers import DeviceTensor
 
@@ -28,17 +28,19 @@ def broadcast(tensor, src, group=None, async_op=False):
     except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
         return _device.broadcast(tensor, src, comm, async_op)
     entry = record(comm, "broadcast", tensor.shape, tensor.dtype, src)
+    # The blocking MPI call, with or without async_op: MPI never matches a blocking collective
+    # on one rank with a non-blocking one on another, and torch code mixes them for one
+    # broadcast. async_op: a completed Work (reduce.all_reduce says more).
+    try:
+        comm.mpi.Bcast(arr, root=src)
+    except _large.REFUSED:  # over MPI's count limit: pieces (costs nothing until then)
+        if not _large.too_big(arr):
+            raise
+        _large.bcast_now(comm, arr, src)
+    record_end(entry)
     if not async_op:
-        try:
-            comm.mpi.Bcast(arr, root=src)
-        except _large.REFUSED:  # over MPI's count limit: pieces (costs nothing until then)
-            if not _large.too_big(arr):
-                raise
-            _large.bcast_now(comm, arr, src)
-        record_end(entry)
         return None
-    reqs = _large.bcast(comm, arr, src) if _large.too_big(arr) else [comm.mpi.Ibcast(arr, root=src)]
-    return finish_or_work(True, entry, reqs, [tensor])
+    return CompletedWork([tensor])
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):

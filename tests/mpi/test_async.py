@@ -24,56 +24,57 @@ def world():
 
 
 def _ops(n, r, dt=torch.float32):
-    """(name, start(group) -> (work, outputs), expected outputs) for every async collective."""
+    """(name, start(group, async_op=True) -> (work, outputs), expected outputs) for every
+    collective."""
     v = M.value
 
-    def all_reduce(grp):
+    def all_reduce(grp, a=True):
         t = v(dt, r, (5,))
-        return dist.all_reduce(t, group=grp, async_op=True), [t]
+        return dist.all_reduce(t, group=grp, async_op=a), [t]
 
-    def broadcast(grp):
+    def broadcast(grp, a=True):
         t = v(dt, r, (5,))
-        return dist.broadcast(t, n - 1, group=grp, async_op=True), [t]
+        return dist.broadcast(t, n - 1, group=grp, async_op=a), [t]
 
-    def reduce(grp):
+    def reduce(grp, a=True):
         t = v(dt, r, (5,))
-        return dist.reduce(t, 0, group=grp, async_op=True), [t]
+        return dist.reduce(t, 0, group=grp, async_op=a), [t]
 
-    def all_gather(grp):
+    def all_gather(grp, a=True):
         out = [torch.zeros(5, dtype=dt) for _ in range(n)]
-        return dist.all_gather(out, v(dt, r, (5,)), group=grp, async_op=True), out
+        return dist.all_gather(out, v(dt, r, (5,)), group=grp, async_op=a), out
 
-    def all_gather_into_tensor(grp):
+    def all_gather_into_tensor(grp, a=True):
         out = torch.zeros(5 * n, dtype=dt)
-        return dist.all_gather_into_tensor(out, v(dt, r, (5,)), group=grp, async_op=True), [out]
+        return dist.all_gather_into_tensor(out, v(dt, r, (5,)), group=grp, async_op=a), [out]
 
-    def gather(grp):
+    def gather(grp, a=True):
         out = [torch.zeros(5, dtype=dt) for _ in range(n)] if r == 0 else None
-        return dist.gather(v(dt, r, (5,)), out, 0, group=grp, async_op=True), out or []
+        return dist.gather(v(dt, r, (5,)), out, 0, group=grp, async_op=a), out or []
 
-    def scatter(grp):
+    def scatter(grp, a=True):
         ins = [v(dt, 100 + j, (5,)) for j in range(n)] if r == 0 else None
         out = torch.zeros(5, dtype=dt)
-        return dist.scatter(out, ins, 0, group=grp, async_op=True), [out]
+        return dist.scatter(out, ins, 0, group=grp, async_op=a), [out]
 
-    def reduce_scatter(grp):
+    def reduce_scatter(grp, a=True):
         out = torch.zeros(3, dtype=dt)
         ins = [v(dt, r * 10 + j, (3,)) for j in range(n)]
-        return dist.reduce_scatter(out, ins, group=grp, async_op=True), [out]
+        return dist.reduce_scatter(out, ins, group=grp, async_op=a), [out]
 
-    def reduce_scatter_tensor(grp):
+    def reduce_scatter_tensor(grp, a=True):
         out = torch.zeros(3, dtype=dt)
         ins = torch.cat([v(dt, r * 10 + j, (3,)) for j in range(n)])
-        return dist.reduce_scatter_tensor(out, ins, group=grp, async_op=True), [out]
+        return dist.reduce_scatter_tensor(out, ins, group=grp, async_op=a), [out]
 
-    def all_to_all_single(grp):
+    def all_to_all_single(grp, a=True):
         out = torch.zeros(2 * n, dtype=dt)
-        return dist.all_to_all_single(out, v(dt, r, (2 * n,)), group=grp, async_op=True), [out]
+        return dist.all_to_all_single(out, v(dt, r, (2 * n,)), group=grp, async_op=a), [out]
 
-    def all_to_all(grp):
+    def all_to_all(grp, a=True):
         out = [torch.zeros(2, dtype=dt) for _ in range(n)]
         ins = [v(dt, r * 10 + j, (2,)) for j in range(n)]
-        return dist.all_to_all(out, ins, group=grp, async_op=True), out
+        return dist.all_to_all(out, ins, group=grp, async_op=a), out
 
     g = M.Grp("world", list(range(n)))
     total = [M.reduce_ref("SUM", [v(dt, q, (5,)) for q in range(n)], dt)]
@@ -124,6 +125,31 @@ def test_work_api_every_op(world):
         while not work.is_completed():
             assert time.monotonic() < deadline, f"{name}: is_completed() never became True"
         _check(outs, want, f"{name} after polling")
+
+
+def test_blocking_and_async_mix_across_ranks(world):
+    """One collective, a plain call on some ranks and async_op=True on others: torch code does
+    this (Join), MPI never matches a blocking collective with a non-blocking one, so hpcddp
+    must issue the same kind of MPI call for both."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    for flip in (0, 1):
+        for name, start, want in _ops(n, r):
+            a = (r + flip) % 2 == 0
+            work, outs = start(None, a)
+            if a:
+                work.wait()
+            else:
+                assert work is None, name
+            _check(outs, want, f"{name} async_op={a}")
+        for a in ((r + flip) % 2 == 0, (r + flip) % 2 == 1):
+            w = hpcddp.barrier(async_op=a)
+            if w is not None:
+                w.wait()
+            t = torch.tensor([float(r)])
+            w = hpcddp.all_reduce(t, op=dist.ReduceOp.MAX, async_op=a)
+            if w is not None:
+                w.wait()
+            assert t.item() == n - 1
 
 
 def test_future_values_like_gloo(world):
