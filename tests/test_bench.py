@@ -192,3 +192,23 @@ def test_ddp_smoke(tmp_path):
     row = result["models"][0]
     assert row["model"] == "tiny" and set(row["stats"]) == {"hpcddp", "gloo", "compute"}
     assert "steps/s" in res.stdout
+
+
+def test_stage_smoke(tmp_path):
+    out = tmp_path / "stage.json"
+    env = dict(ENV, HPCDDP_RANKS_PER_NODE="1")
+    res = run_mpi(2, HPCDDP + ["bench", "stage", "--size-mb", "2", "--files", "4", "--rounds",
+                                "2", "--dir", str(tmp_path / "work"), "--json", str(out)],
+                  timeout=400, env=env)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-6000:]}\n{res.stderr[-6000:]}"
+    result = json.loads(out.read_text())
+    assert result["correct"] is True and result["config"]["nodes"] == 2
+    rows = {r["strategy"]: r for r in result["strategies"]}
+    assert set(rows) == {"bcast", "allgather", "every-rank", "cp"}
+    # the point of staging: the source is read once per node group, not once per node
+    assert rows["bcast"]["read_amplification"] < 1.1
+    assert rows["every-rank"]["read_amplification"] > 1.9
+    assert "strategy" in res.stdout
+    again = subprocess.run(HPCDDP + ["bench", "report", str(out), "--compare", str(out)],
+                           capture_output=True, text=True, timeout=120, env=ENV)
+    assert again.returncode == 0, again.stdout + again.stderr

@@ -154,13 +154,13 @@ def _ddp(args) -> int:
 
 
 def _stage(args) -> int:
-    try:
-        from hpcddp.bench import stage
-    except ImportError as exc:
-        print(f"hpcddp bench stage: unavailable ({exc})", file=sys.stderr)
-        return 2
-    result = stage.run(args)
-    _shutdown()
+    from hpcddp.bench import stage
+    from hpcddp.comm import log
+    strategies = _split(args.strategies, "strategy", stage.STRATEGIES) if args.strategies \
+        else list(stage.STRATEGIES)
+    result = stage.run(args.dir, size_mb=args.size_mb, files=args.files,
+                       rounds=args.rounds or 4, strategies=strategies, cold=not args.warm,
+                       progress=lambda s: log(f"bench stage: {s}"))
     if result is None:
         return 0
     result["command"] = _command_line()

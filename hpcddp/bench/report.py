@@ -248,6 +248,8 @@ def compare(new: dict, old: dict, threshold: float = THRESHOLD,
                          f"is {new.get('kind')!r}")
     if new.get("kind") == "hpcddp-bench-ddp":
         return compare_ddp(new, old, threshold)
+    if new.get("kind") == "hpcddp-bench-stage":
+        return compare_stage(new, old, threshold)
     for r in (new, old):
         if r["cells"] and "ratios" not in r["cells"][0]:
             summarize(r)
@@ -315,6 +317,31 @@ def compare_ddp(new: dict, old: dict, threshold: float = THRESHOLD) -> tuple[lis
     for r in regressions:
         lines.append(f"  REGRESSED {r['model']} {r['metric']}: {_num(r['old'])} -> "
                      f"{_num(r['new'])} ({r['change']:+.0%})")
+    return regressions, "\n".join(lines)
+
+
+def compare_stage(new: dict, old: dict, threshold: float = THRESHOLD) -> tuple[list[dict], str]:
+    """Gated: how much faster bcast is than each other strategy (paired), and bytes read from
+    the source by hpcddp's strategies (exact counts: any growth is a regression)."""
+    regressions = []
+    for key, a in old.get("ratios", {}).items():
+        b = new.get("ratios", {}).get(key)
+        if b and a["n"] and b["n"]:
+            change = b["median"] / a["median"] - 1.0
+            if change < -threshold / (1 + threshold):
+                regressions.append({"metric": key, "old": a["median"], "new": b["median"],
+                                    "change": change})
+    old_rows = {r["strategy"]: r for r in old.get("strategies", [])}
+    for r in new.get("strategies", []):
+        o = old_rows.get(r["strategy"])
+        if o and r["strategy"] != "cp" and r["read_amplification"] > o["read_amplification"] + 1e-9:
+            regressions.append({"metric": f"{r['strategy']} read amplification",
+                                "old": o["read_amplification"], "new": r["read_amplification"],
+                                "change": r["read_amplification"] / o["read_amplification"] - 1})
+    lines = [f"compare: {len(regressions)} row(s) worse than the saved run"]
+    for r in regressions:
+        lines.append(f"  REGRESSED {r['metric']}: {_num(r['old'])} -> {_num(r['new'])} "
+                     f"({r['change']:+.0%})")
     return regressions, "\n".join(lines)
 
 

@@ -31,7 +31,8 @@ def _common(p: argparse.ArgumentParser, mpi: bool = True) -> None:
                    help="--compare: also gate on absolute median times (same quiet machine only)")
     if mpi:
         p.add_argument("--rounds", type=int, default=None,
-                       help="interleaved rounds; the first is discarded (default: comm 9, ddp 5)")
+                       help="interleaved rounds; the first is discarded (default: comm 9, "
+                            "ddp 5, stage 4)")
         p.add_argument("--np", type=int, metavar="N",
                        help="not under a launcher: start `mpirun -n N` (bound one rank per "
                             "core, Open MPI shared memory) on this command and wait")
@@ -70,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--size-mb", type=float, default=256.0,
                    help="data set size in MiB (default 256)")
     p.add_argument("--files", type=int, default=16, help="shards in the data set (default 16)")
+    p.add_argument("--strategies", help="comma-separated: bcast, allgather, every-rank, cp "
+                   "(default: all)")
+    p.add_argument("--warm", action="store_true",
+                   help="leave the source in the page cache (default: evict it before each run)")
     _common(p)
     p = sub.add_parser("report", help="print a saved result (table, targets), plot it, compare "
                        "it; no MPI")

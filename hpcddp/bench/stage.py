@@ -1,0 +1,237 @@
+"""``hpcddp bench stage``: staging throughput and bytes read from the source.
+
+One job, one synthetic packed data set (LMDB, random bytes), the same destinations, and the
+strategies a user could pick, in interleaved rounds whose order rotates:
+
+``bcast``       hpcddp.data.stage: node leaders each read a disjoint range of shards once
+                (scatter), then broadcast it to the other leaders (the default)
+``allgather``   the same read split, exchanged with one MPI_Allgatherv per round
+``every-rank``  hpcddp.data.stage(strategy="every-rank"): every rank copies what its node
+                needs straight from the source, no MPI traffic (the usual job-script habit)
+``cp``          ``cp -r SRC DEST`` once per node (on the node leader): the shell baseline
+
+Figures: wall time (MAX over ranks, barrier to barrier), per-node throughput (data set bytes
+/ time: how soon every node holds the data), aggregate bytes written per second, and bytes
+read from the source (what the shared file system pays; hpcddp counts its reads, ``cp`` reads
+the whole data set once per node). Before every run the source is evicted from the page cache
+(``posix_fadvise(DONTNEED)``, these files only) so reads come from the disk, and the
+destination of the previous run is removed. Emulated nodes (HPCDDP_RANKS_PER_NODE) share one
+disk and one page cache: the bytes-read column is exact, the times show the algorithms'
+overheads on this machine, not a parallel file system's bandwidth.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+STRATEGIES = ("bcast", "allgather", "every-rank", "cp")
+
+
+def _sleepy_barrier(comm) -> None:
+    # a barrier that sleeps: spinning ranks would take the cores from the ranks copying
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.0005)
+
+
+def _files(root: str) -> list[str]:
+    out = []
+    for d, _, names in os.walk(root):
+        out += [os.path.join(d, n) for n in names]
+    return sorted(out)
+
+
+def _evict(root: str) -> int:
+    """Drop ROOT's files from the page cache (clean pages only; no effect on other files)."""
+    n = 0
+    for path in _files(root):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        finally:
+            os.close(fd)
+    return n
+
+
+def _tree_bytes(root: str) -> int:
+    return sum(os.path.getsize(p) for p in _files(root))
+
+
+def make_source(path: str, size_mb: float, files: int, seed: int = 0) -> int:
+    """Pack SIZE_MB MiB of random bytes into about FILES LMDB shards at PATH (one process).
+    Returns the data set's bytes on disk."""
+    import numpy as np
+
+    from hpcddp.data import pack
+    sample = 1 << 20
+    n = max(files, int(size_mb * (1 << 20)) // sample)
+    data = np.random.default_rng(seed).integers(0, 256, size=(n, sample), dtype=np.uint8)
+    pack(data, path, format="lmdb", shard_bytes=max(1, n // files) * sample, progress=False)
+    return _tree_bytes(path)
+
+
+def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
+        strategies=STRATEGIES, cold: bool = True, progress=None) -> dict | None:
+    """Run the staging benchmark; collective over the world. The result on rank 0."""
+    import hpcddp
+    from hpcddp.bench import machine, protocol
+    from hpcddp.comm import MPI
+    from hpcddp.data.staging import stage
+    bad = [s for s in strategies if s not in STRATEGIES]
+    if bad:
+        raise ValueError(f"bench stage: unknown strategy {bad}; valid: {', '.join(STRATEGIES)}")
+    if rounds < 2:
+        raise ValueError(f"bench stage: rounds must be >= 2 (round 1 is discarded), got {rounds}")
+    rt = hpcddp.init(abort_on_exception=True)
+    ctl = MPI.COMM_WORLD.Dup()
+    rank, topo = ctl.Get_rank(), rt.topology
+    own = dir is None
+    work = ctl.bcast(tempfile.mkdtemp(prefix="hpcddp-bench-stage-") if own and rank == 0
+                     else dir, root=0)
+    src = os.path.join(work, "source")
+    err = None
+    if rank == 0:
+        try:
+            if os.path.isdir(src):
+                shutil.rmtree(src)
+            os.makedirs(work, exist_ok=True)
+            make_source(src, size_mb, files)
+        except Exception as exc:  # every rank raises, not only this one
+            err = f"{type(exc).__name__}: {exc}"
+    err = ctl.bcast(err, root=0)
+    if err:
+        raise RuntimeError(f"bench stage: making the source data set in {work} failed: {err}")
+    dataset = _tree_bytes(src)
+    setup = machine.describe(ctl, ctl.Get_size(), extra={
+        "nodes_emulated": topo.emulated, "ranks_per_node": topo.local_size,
+        "workdir": work, "filesystem": _fs_type(work), "cache": "cold" if cold else "warm"})
+    meter = machine.LoadMeter(ctl)
+    meter.start()
+    times = {s: [] for s in strategies}
+    read = {s: [] for s in strategies}
+    written = {s: [] for s in strategies}
+    ok = {s: True for s in strategies}
+    for r in range(rounds):
+        shift = r % len(strategies)
+        for s in list(strategies[shift:]) + list(strategies[:shift]):
+            dest = os.path.join(work, "dest", s, "node{node}")
+            if rank == 0:
+                shutil.rmtree(os.path.join(work, "dest"), ignore_errors=True)
+                if cold:
+                    _evict(src)
+            _sleepy_barrier(ctl)
+            t0 = time.perf_counter()
+            good = True
+            if s == "cp":
+                n_read = n_written = 0
+                if topo.is_leader:
+                    node_dest = dest.replace("{node}", str(topo.node))
+                    os.makedirs(os.path.dirname(node_dest), exist_ok=True)
+                    proc = subprocess.run(["cp", "-r", src, node_dest], capture_output=True,
+                                          text=True, timeout=3600)
+                    good = proc.returncode == 0
+                    n_read = n_written = dataset
+            else:
+                res = stage(src, dest, strategy=s, progress=False)
+                n_read, n_written = res.bytes_read_from_source, res.bytes_written
+            _sleepy_barrier(ctl)
+            dt = protocol.allmax(ctl, time.perf_counter() - t0)
+            if s == "cp":
+                if topo.is_leader:   # outside timing: the copy is complete and the right size
+                    good = good and _tree_bytes(dest.replace("{node}", str(topo.node))) == dataset
+                n_read = ctl.allreduce(n_read, op=MPI.SUM)
+                n_written = ctl.allreduce(n_written, op=MPI.SUM)
+            good = bool(ctl.allreduce(1 if good else 0, op=MPI.MIN))
+            times[s].append(dt)
+            read[s].append(n_read)
+            written[s].append(n_written)
+            ok[s] &= good
+            if progress and rank == 0:
+                progress(f"round {r + 1}/{rounds} {s}: {dt:.2f} s")
+    _sleepy_barrier(ctl)
+    if rank == 0:
+        shutil.rmtree(os.path.join(work, "dest"), ignore_errors=True)
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+    load = meter.stop()
+    if rank != 0:
+        return None
+    rows = []
+    for s in strategies:
+        kept = times[s][1:]
+        t = protocol.median(kept)
+        rows.append({"strategy": s, "times_s": times[s], "seconds": t,
+                     "q1_s": protocol.quantile(kept, 0.25), "q3_s": protocol.quantile(kept, 0.75),
+                     "node_gbps": dataset / t / 1e9, "written_gbps": written[s][-1] / t / 1e9,
+                     "bytes_read_from_source": read[s][-1], "bytes_written": written[s][-1],
+                     "read_amplification": read[s][-1] / dataset, "correct": ok[s]})
+    ratios = {}
+    if "bcast" in times:
+        for s in strategies:
+            if s != "bcast":
+                ratios[f"{s}/bcast"] = protocol.spread(protocol.paired(times[s][1:],
+                                                                       times["bcast"][1:]))
+    return {"kind": "hpcddp-bench-stage", "version": 1, "setup": setup, "load": load,
+            "config": {"size_mb": size_mb, "files": files, "rounds": rounds,
+                       "discarded_rounds": 1, "strategies": list(strategies),
+                       "ranks": ctl.Get_size(), "nodes": topo.num_nodes,
+                       "cache": "cold" if cold else "warm"},
+            "dataset_bytes": dataset, "strategies": rows, "ratios": ratios,
+            "correct": all(ok.values())}
+
+
+def _fs_type(path: str) -> str:
+    try:
+        out = subprocess.run(["df", "-T", path], capture_output=True, text=True, timeout=20)
+        return out.stdout.splitlines()[-1].split()[1]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return ""
+
+
+def text(result: dict, markdown: bool = False) -> str:
+    from hpcddp.bench.report import _num, _render, setup_lines
+    cfg = result["config"]
+    header = ["strategy", "seconds", "GB/s per node", "GB/s written (all nodes)",
+              "read from source", "x data set", "time vs bcast", "check"]
+    rows = []
+    for row in result["strategies"]:
+        ratio = result["ratios"].get(f"{row['strategy']}/bcast")
+        rows.append([row["strategy"], f"{_num(row['seconds'])} ({_num(row['q1_s'])}–"
+                     f"{_num(row['q3_s'])})", _num(row["node_gbps"]), _num(row["written_gbps"]),
+                     f"{row['bytes_read_from_source'] / 1e6:.0f} MB",
+                     f"{row['read_amplification']:.2f}",
+                     f"{_num(ratio['median'])} ({_num(ratio['q1'])}–{_num(ratio['q3'])})"
+                     if ratio else "1", "ok" if row["correct"] else "FAILED"])
+    title = (f"staging {result['dataset_bytes'] / 1e6:.0f} MB ({cfg['files']} shards) to "
+             f"{cfg['nodes']} node(s), {cfg['ranks']} ranks, {cfg['cache']} source cache: "
+             f"median over rounds (quartiles), MAX over ranks; GB = 1e9 B")
+    return "\n\n".join([_render(title, header, rows, markdown),
+                        "\n".join(setup_lines(result))])
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["strategies"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+    names = [r["strategy"] for r in rows]
+    a.bar(names, [r["node_gbps"] for r in rows], color="tab:blue")
+    a.set_ylabel("GB/s per node")
+    a.set_title("staging throughput", fontsize=10)
+    b.bar(names, [r["read_amplification"] for r in rows], color="tab:red")
+    b.set_ylabel("bytes read / data set")
+    b.set_title("reads of the source", fontsize=10)
+    fig.suptitle(f"hpcddp bench stage: {result['dataset_bytes'] / 1e6:.0f} MB, "
+                 f"{result['config']['nodes']} nodes", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
