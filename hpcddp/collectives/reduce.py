@@ -32,12 +32,9 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
             and plan[0]() is tensor and plan[1] == tensor.data_ptr() \
             and plan[4] == tensor.numel() and plan[3].mpi is plan[5]:
         entry = record(plan[3], "all_reduce", plan[6], plan[7])
-        if not async_op:
-            plan[5].Allreduce(IN_PLACE, plan[8], plan[9])
-            record_end(entry)
-            return None
-        return finish_or_work(True, entry, [plan[5].Iallreduce(IN_PLACE, plan[8], plan[9])],
-                              [tensor])
+        plan[5].Allreduce(IN_PLACE, plan[8], plan[9])  # blocking whatever async_op: see below
+        record_end(entry)
+        return None if not async_op else CompletedWork([tensor])
     comm = resolve(group, "all_reduce")
     try:
         arr = as_array(tensor, "all_reduce", "tensor")

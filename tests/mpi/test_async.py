@@ -150,6 +150,14 @@ def test_blocking_and_async_mix_across_ranks(world):
             if w is not None:
                 w.wait()
             assert t.item() == n - 1
+        # the same tensor again and again (all_reduce's cached plan), mixed across ranks
+        t = torch.ones(3)
+        for k in range(4):
+            for api in (dist, hpcddp):
+                w = api.all_reduce(t, async_op=(r + k + flip) % 2 == 0)
+                if w is not None:
+                    w.wait()
+        assert t.eq(n ** 8).all(), t
 
 
 def test_future_values_like_gloo(world):
