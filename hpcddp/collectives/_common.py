@@ -32,8 +32,17 @@ def resolve(group, fn: str) -> Communicator:
     comm = getattr(group, "hpcddp_comm", None)  # an hpcddp torch ProcessGroup
     if isinstance(comm, Communicator):
         return comm
+    if isinstance(group, int) and group == -100:  # torch's GroupMember.NON_GROUP_MEMBER
+        me = world_rank()
+        raise ValueError(f"{fn}: this rank (world rank {me}) is not a member of the group; only "
+                         f"members call its ops (torch's dist.* return at once on non-members)")
     raise TypeError(f"{fn}: group must be an hpcddp Communicator, an hpcddp process group or "
                     f"None (the world), got {type(group).__name__}")
+
+
+def world_rank() -> int:
+    rt = _rt._runtime
+    return (rt.world if rt is not None else _rt.init().world).rank
 
 
 _SUM = RedOpType.SUM

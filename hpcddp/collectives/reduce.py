@@ -138,6 +138,7 @@ def reduce_scatter(output, input_list, op=SUM, group=None, async_op=False):
         return _device.reduce_scatter(output, input_list, op, comm, async_op)
     check_list(input_list, comm.size, "reduce_scatter", "input_list")
     same_spec(input_list, output, "reduce_scatter", "input_list")
+    reduce_op(op, output.dtype, "reduce_scatter")  # a refused op names this function
     if _lists.use_p2p(comm, output.numel()):
         kind = reduce_op(op, output.dtype, "reduce_scatter")[1]
         if _lists.reduce_scatter_supported(kind, output.dtype):  # zero-copy inputs
