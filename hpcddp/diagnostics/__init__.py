@@ -111,7 +111,7 @@ def shutdown_diagnostics() -> None:
             e[recorder.T_END] = now   # the script has ended: what it left in flight is over
             e.append("abandoned")
     entry = [wd.world.seq, "finalize", wd.world, None, None, None, now, 0.0]
-    recorder.RECORDER.buf[next(recorder.RECORDER._counter) % recorder.RECORDER.capacity] = entry
+    recorder.RECORDER.add(entry)
     try:
         req = wd.diag.Ibarrier()
         while not req.Test():

@@ -17,6 +17,7 @@ no ``if`` for it (docs/hangs.md has the measured cost).
 """
 from __future__ import annotations
 
+import array
 import zlib
 
 import numpy as np
@@ -62,21 +63,33 @@ def _name(code: int, table: tuple, what: str) -> str:
     return f"{what}#{code}"
 
 
-def fingerprint(op: str, seq: int, shape=None, dtype=None, peer=None) -> np.ndarray:
-    fp = np.zeros(K, dtype=np.int64)
-    fp[OP] = _code(op, OPS)
-    fp[SEQ] = seq
-    fp[DTYPE] = 0 if dtype is None else _code(str(dtype).replace("torch.", ""), DTYPES)
-    fp[ROOT] = -1 if peer is None else int(peer)
-    if shape is None or op in SHAPE_FREE:
-        fp[NDIM] = -1
-    else:
-        dims = [int(s) for s in shape]
-        fp[NDIM] = len(dims)
-        fp[DIMS:DIMS + min(len(dims), MAX_DIMS)] = dims[:MAX_DIMS]
-        if len(dims) > MAX_DIMS:
-            fp[SHAPE_HASH] = zlib.crc32(repr(tuple(dims)).encode())
+_op_codes: dict = {}
+_dtype_codes: dict = {None: 0}
+
+
+def _fp(op: str, seq: int, shape=None, dtype=None, peer=None) -> list:
+    """The fingerprint as K Python ints (the hot path of the check: no numpy)."""
+    oc = _op_codes.get(op)
+    if oc is None:
+        oc = _op_codes[op] = _code(op, OPS)
+    dc = _dtype_codes.get(dtype)
+    if dc is None:
+        dc = _dtype_codes[dtype] = _code(str(dtype).replace("torch.", ""), DTYPES)
+    fp = [oc, seq, dc, -1 if peer is None else int(peer), -1, 0, 0, 0, 0, 0, 0, 0]
+    if shape is not None and op not in SHAPE_FREE:
+        n = len(shape)
+        fp[NDIM] = n
+        if n <= MAX_DIMS:
+            fp[DIMS:DIMS + n] = shape
+        else:
+            fp[DIMS:DIMS + MAX_DIMS] = shape[:MAX_DIMS]
+            fp[SHAPE_HASH] = zlib.crc32(repr(tuple(int(d) for d in shape)).encode())
     return fp
+
+
+def fingerprint(op: str, seq: int, shape=None, dtype=None, peer=None) -> np.ndarray:
+    """(op, seq, dtype, root, shape) as K int64 words: what ranks compare."""
+    return np.array(_fp(op, seq, shape, dtype, peer), dtype=np.int64)
 
 
 def describe(row, show_seq: bool = False, show_dtype: bool = False) -> str:
@@ -115,14 +128,14 @@ def mismatch_message(group: str, world_ranks, rows) -> str:
             f"with the same shapes, dtypes and roots.")
 
 
-_dups: dict = {}
+_dups: dict = {}      # comm uid -> (private duplicate, receive buffer)
 _start = _rec.start
 
 
 def _dup(comm):
     d = _dups.get(comm.uid)
     if d is None:  # collective over comm: its first checked op runs it on every member
-        d = _dups[comm.uid] = comm.mpi.Dup()
+        d = _dups[comm.uid] = (comm.mpi.Dup(), array.array("q", bytes(8 * K * comm.size)))
     return d
 
 
@@ -130,18 +143,20 @@ def checked_start(comm, op: str, shape=None, dtype=None, peer=None) -> list:
     """The recorder's ``start`` followed by the cross-rank check (HPCDDP_DEBUG=detail)."""
     entry = _start(comm, op, shape, dtype, peer)
     if comm.size > 1:
-        fp = fingerprint(op, entry[_rec.SEQ], shape, dtype, peer)
-        rows = np.empty((comm.size, K), dtype=np.int64)
-        _dup(comm).Allgather(fp, rows)
-        if not (rows == rows[0]).all():
+        dup, rows = _dup(comm)
+        mine = array.array("q", _fp(op, entry[_rec.SEQ], shape, dtype, peer))
+        dup.Allgather(mine, rows)
+        got = rows.tobytes()
+        if got != mine.tobytes() * comm.size:
             _rec.end(entry)
-            raise CollectiveMismatchError(mismatch_message(comm.name, comm.world_ranks, rows))
+            table = np.frombuffer(got, dtype=np.int64).reshape(comm.size, K)
+            raise CollectiveMismatchError(mismatch_message(comm.name, comm.world_ranks, table))
     return entry
 
 
 def free_dups() -> None:
     from hpcddp.comm._mpi import MPI
-    for d in list(_dups.values()):
+    for d, _ in list(_dups.values()):
         try:
             d.Free()
         except MPI.Exception:

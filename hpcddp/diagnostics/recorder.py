@@ -33,25 +33,29 @@ class FlightRecorder:
             raise ValueError(f"FlightRecorder: capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.buf: list = [None] * capacity
-        self._counter = itertools.count()   # next() is atomic: safe from autograd threads
+        # next() on a cycle is atomic (one C call under the GIL): safe from autograd threads,
+        # and cheaper than a counter and a modulo
+        self._slots = itertools.cycle(range(capacity))
         self._p2p_seq: dict = {}
         self.start = self._make_start()
 
     def _make_start(self):
-        buf, cap, counter, now = self.buf, self.capacity, self._counter, _now
+        buf, slots, now = self.buf, self._slots, _now
 
         def start(comm, op: str, shape=None, dtype=None, peer=None) -> list:
             seq = comm.seq = comm.seq + 1
-            entry = [seq, op, comm, shape, dtype, peer, now(), 0.0]
-            buf[next(counter) % cap] = entry
+            buf[next(slots)] = entry = [seq, op, comm, shape, dtype, peer, now(), 0.0]
             return entry
         return start
+
+    def add(self, entry: list) -> None:
+        """Put a ready-made entry in the ring (hpcddp's finalize marks itself this way)."""
+        self.buf[next(self._slots)] = entry
 
     def start_p2p(self, comm, op: str, shape=None, dtype=None, peer=None) -> list:
         key = comm.uid
         seq = self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
-        entry = [seq, op, comm, shape, dtype, peer, _now(), 0.0]
-        self.buf[next(self._counter) % self.capacity] = entry
+        self.buf[next(self._slots)] = entry = [seq, op, comm, shape, dtype, peer, _now(), 0.0]
         return entry
 
     def p2p_seq(self, comm) -> int:

@@ -24,6 +24,8 @@ spec.loader.exec_module(cases)
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-n", "--runs", type=int, default=20, help="rounds (default 20)")
+    p.add_argument("--save", metavar="DIR",
+                   help="write each case's last output and report to DIR/<case>.txt")
     p.add_argument("names", nargs="*", help=f"cases (default all): {', '.join(cases.BY_NAME)}")
     args = p.parse_args(argv)
     unknown = [n for n in args.names if n not in cases.BY_NAME]
@@ -44,6 +46,10 @@ def main(argv=None) -> int:
                   flush=True)
             if r["problems"]:
                 fails.append((i, case.name, r))
+            if args.save:
+                pathlib.Path(args.save).mkdir(parents=True, exist_ok=True)
+                (pathlib.Path(args.save) / f"{case.name}.txt").write_text(
+                    f"=== rc {r['rc']} ===\n{r['output']}\n=== report file ===\n{r['report']}")
     total = args.runs * len(chosen)
     print(f"\n{total} runs, {len(fails)} failed, {time.time() - t0:.0f} s in all; slowest end "
           f"after the stall point (bound {cases.BOUND:g} s):")
