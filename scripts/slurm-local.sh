@@ -150,10 +150,14 @@ add_hosts() {
     done
 }
 
-pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# A pid file's process is alive when it exists and is not a zombie (in containers without an
+# init that reaps, a stopped daemon can linger as a zombie, which `kill -0` still reaches).
+alive() { kill -0 "$1" 2>/dev/null && ! grep -qs '^State:[[:space:]]*Z' "/proc/$1/status"; }
+pid_alive() { [ -f "$1" ] && alive "$(cat "$1")"; }
+munge_works() { munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; }
 
 all_running() {
-    pid_alive "$MUNGE_PID" || return 1
+    munge_works || return 1
     pid_alive "$DIR/run/slurmctld.pid" || return 1
     local name; for name in $(node_names); do pid_alive "$DIR/run/slurmd-$name.pid" || return 1; done
 }
@@ -162,25 +166,29 @@ stop_pidfile() {  # stop_pidfile FILE: TERM, wait up to 10 s, then KILL
     local f=$1 pid i
     [ -f "$f" ] || return 0
     pid=$(cat "$f")
-    if kill -0 "$pid" 2>/dev/null; then
+    if alive "$pid"; then
         kill "$pid" 2>/dev/null || true
-        for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-        kill -9 "$pid" 2>/dev/null || true
+        for i in $(seq 50); do alive "$pid" || break; sleep 0.2; done
+        if alive "$pid"; then kill -9 "$pid" 2>/dev/null || true; fi
     fi
     rm -f "$f"
 }
 
-do_stop() {
-    need_root
+stop_slurm() {
     local f
     for f in "$DIR"/run/slurmd-*.pid; do [ -e "$f" ] && stop_pidfile "$f"; done
     stop_pidfile "$DIR/run/slurmctld.pid"
+}
+
+do_stop() {
+    need_root
+    stop_slurm
     stop_pidfile "$MUNGE_PID"
     log "stopped"
 }
 
 start_munge() {
-    pid_alive "$MUNGE_PID" && return
+    munge_works && return  # munged needs no restart when the Slurm config changes
     # The package's postinst normally makes the key; make one if it did not (a copied image).
     if [ ! -s /etc/munge/munge.key ]; then
         dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 status=none
@@ -210,9 +218,20 @@ wait_nodes_idle() {
     die "slurm nodes did not come up"
 }
 
+namespaces_work() {  # can we give a slurmd its own hostname and its own scratch mount?
+    local d; d=$(mktemp -d)
+    unshare -u -m sh -c "hostname slurm-local-probe && mount --make-rprivate / 2>/dev/null; \
+        mount --bind '$d' '$d'" >/dev/null 2>&1
+    local rc=$?; rmdir "$d" 2>/dev/null; return $rc
+}
+
 do_start() {
     need_root
     do_install
+    if [ "$NODES" -gt 1 ] && ! namespaces_work; then
+        log "unshare -u -m is not allowed here: falling back to one Slurm node"
+        NODES=1
+    fi
     fix_pmix_link
     mkdir -p "$DIR"/{ctld,spool,run,log,scratch} /etc/slurm
     local name
@@ -221,7 +240,7 @@ do_start() {
     if all_running && [ -f "$CONF" ] && [ "$new" = "$(cat "$CONF")" ]; then
         log "already running ($NODES node(s))"; wait_nodes_idle; return
     fi
-    do_stop >/dev/null 2>&1 || true
+    stop_slurm
     if [ -f "$CONF" ] && ! head -n1 "$CONF" | grep -qF "$MARK"; then
         cp "$CONF" "$CONF.orig.$(date +%s)"; log "kept the previous $CONF as $CONF.orig.*"
     fi
