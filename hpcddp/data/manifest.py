@@ -195,12 +195,12 @@ def load(path: str, where: str | None = None) -> Manifest:
             raw = f.read()
     except FileNotFoundError:
         d = os.path.dirname(mpath)
-        hint = ""
         if os.path.exists(os.path.join(d, STAGING)):
-            hint = (f"; {STAGING} is present: a stager is working here or died before "
-                    f"finishing (re-run `hpcddp stage` to complete it)")
-        elif os.path.isdir(d):
-            hint = "; make a data set with `hpcddp pack`"
+            raise NotReadyError(
+                f"{where}: no {MANIFEST} yet: {d} is a half-staged copy ({STAGING} present, no "
+                f"{READY}): a stager is still running or died before finishing; re-run `hpcddp "
+                f"stage SRC {d}` to complete it (verified shards are kept)") from None
+        hint = "; make a data set with `hpcddp pack`" if os.path.isdir(d) else ""
         raise DatasetError(f"{where}: no {MANIFEST}{hint}") from None
     return Manifest.from_json(raw, where)
 
