@@ -278,14 +278,18 @@ class Watchdog:
                 box[r] = self._snapshot()
             else:
                 self._send((qid,), r, TAG_REQ)
-        deadline = time.monotonic() + wait
+        t_start = time.monotonic()
+        deadline = t_start + wait
         while True:
             self._serve()
             missing = [r for r in ranks if r not in box]
             if not missing or time.monotonic() >= deadline:
                 break
-            if not self._stopping and set(missing) <= set(self._dead_local(missing)):
-                break                                # they cannot answer: don't wait for them
+            # don't wait for ranks that cannot answer: same-host processes that are gone, and
+            # ranks that already let a notice go unacknowledged for HPCDDP_PEER_TIMEOUT
+            if not self._stopping and set(missing) <= set(self._dead_local(missing)) | (
+                    self._suspect if time.monotonic() - t_start > 0.5 else set()):
+                break
             time.sleep(0.01)
         waited = wait - max(0.0, deadline - time.monotonic())
         with self._lock:
@@ -294,7 +298,9 @@ class Watchdog:
         for r in ranks:
             if r not in box:
                 same = r in self.local_peers
-                gone[r] = {"host": self.hosts[r], "pid": self.pids[r], "waited": waited,
+                # a suspect already had HPCDDP_PEER_TIMEOUT to acknowledge a notice
+                w = max(waited, self.settings.peer_timeout) if r in self._suspect else waited
+                gone[r] = {"host": self.hosts[r], "pid": self.pids[r], "waited": w,
                            "pid_state": pid_state(self.pids[r]) if same else "unknown"}
         return dict(box), gone
 
