@@ -88,11 +88,13 @@ def test_module_mode(tmp_path):
     assert "module __main__ ['a', 'b']" in res.stdout
 
 
-def test_usage_errors_start_nothing(tmp_path):
-    res = hpcddp_run(str(tmp_path / "missing.py"))
-    assert res.returncode == 2 and "is not a file" in res.stderr
-    res = hpcddp_run()
-    assert res.returncode == 2 and "give a SCRIPT" in res.stderr
+def test_usage_errors_start_nothing(tmp_path, capsys):
+    # checked before MPI starts, so in this process
+    from hpcddp.cli import main
+    assert main(["run", str(tmp_path / "missing.py")]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    assert main(["run"]) == 2
+    assert "give a SCRIPT" in capsys.readouterr().err
 
 
 def _hpcddp_run_argv(*argv):
