@@ -406,10 +406,15 @@ def plot_comm(result: dict, path: str, ops=None) -> None:
                       markersize=4, **style)
             ax_b.plot(xs, [p[1]["busbw_GBps"] for p in pts], label=LABELS.get(name, name),
                       markersize=4, **style)
+        sizes = sorted({c["bytes"] for c in cells})
+        ticks = sizes if len(sizes) <= 6 else sizes[::2]
         for ax in (ax_t, ax_b):
             ax.set_xscale("log", base=2)
-            ax.grid(True, which="both", alpha=0.3)
-            ax.set_xlabel("size S (bytes)")
+            ax.set_xticks(ticks)
+            ax.set_xticklabels([fmt_size(s).replace(" ", "\u2009") for s in ticks], fontsize=8)
+            ax.minorticks_off()
+            ax.grid(True, which="major", alpha=0.3)
+            ax.set_xlabel("size S")
         ax_t.set_yscale("log")
         ax_b.set_yscale("log")
         ax_t.set_ylabel("time per op (µs)")
