@@ -241,7 +241,9 @@ def compare(new: dict, old: dict, threshold: float = THRESHOLD,
     """Rows of NEW that are more than THRESHOLD worse than OLD. Returns (regressions, text).
 
     Gated: the paired ratios in COMPARED (and with ABSOLUTE=True each hpcddp implementation's
-    median time too). Cells are matched by (op, bytes); cells in only one run are skipped.
+    median time too). A ratio regresses when its median is more than THRESHOLD worse AND its
+    quartile range no longer overlaps the saved one. Cells are matched by (op, bytes); cells
+    in only one run are skipped.
     """
     if new.get("kind") != old.get("kind"):
         raise ValueError(f"compare: the saved file holds a {old.get('kind')!r} result, this run "
@@ -265,7 +267,12 @@ def compare(new: dict, old: dict, threshold: float = THRESHOLD,
             if not a or not b or not a["n"] or not b["n"]:
                 continue
             change = b["median"] / a["median"] - 1.0
-            worse = change > threshold if better == "lower" else change < -threshold / (1 + threshold)
+            # worse by more than the threshold AND outside the saved run's spread: the
+            # quartile ranges do not overlap (one noisy round cannot fail a run)
+            if better == "lower":
+                worse = change > threshold and b["q1"] > a["q3"]
+            else:
+                worse = change < -threshold / (1 + threshold) and b["q3"] < a["q1"]
             if worse:
                 regressions.append({"op": c["op"], "bytes": c["bytes"], "metric": key,
                                     "old": a["median"], "new": b["median"], "change": change})
