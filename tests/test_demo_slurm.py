@@ -44,5 +44,5 @@ def test_demo_sbatch_stages_then_trains(slurm, tmp_path):
     assert (workdir / "checkpoints" / "demo-000000001.pt").exists()
     # the packed data sets stayed on the shared filesystem; the staged copies were node-local
     assert (workdir / "packed" / "train" / "manifest.json").exists()
-    assert "using the copy staged on each node" in log
+    assert "using the copy staged on each node" in log and "/node0 (rank 0's node)" in log
     assert os.path.isdir(workdir / "digits" / "train" / "7")

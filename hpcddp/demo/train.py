@@ -332,9 +332,13 @@ def _stage_lines(res) -> list[str]:
         f"already in place)",
         f"  {res.seconds:.2f} s = plan {res.phases.get('plan', 0):.2f} + copy "
         f"{res.phases.get('copy', 0):.2f} + finalize {res.phases.get('finalize', 0):.2f}; "
-        f"node-local copy in {res.dest_per_node[0] if res.dest_per_node else res.dest}"
-        f"{' ...' if len(res.dest_per_node) > 1 else ''}",
+        f"node-local copies: {_few(res.dest_per_node or [res.dest])}",
     ]
+
+
+def _few(paths: list, show: int = 2) -> str:
+    more = len(paths) - show
+    return ", ".join(paths[:show]) + (f" and {more} more" if more > 0 else "")
 
 
 def _checkpointer(directory: str, world):
