@@ -28,8 +28,11 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20, help="training steps in total (default 20)")
     p.add_argument("--step-time", type=float, default=0.0,
                    help="extra seconds per step, so a test can signal a job mid-run")
-    p.add_argument("--backend", default="hpcddp",
-                   help="torch.distributed backend: hpcddp (default), gloo, or a device map")
+    p.add_argument("--backend", default="auto",
+                   help="torch.distributed backend: auto (default: hpcddp; with CUDA, NCCL for "
+                        "CUDA tensors and hpcddp for the rest), hpcddp, gloo, or a device map")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where the model trains (auto: this rank's GPU when CUDA is there)")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (a sweep varies it)")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     p.add_argument("--ckpt-dir", default=os.environ.get("CKPT_DIR", ""),
@@ -72,11 +75,17 @@ def main(argv=None) -> int:
     from hpcddp.parallel.checkpoint import Checkpointer
 
     torch.set_num_threads(1)  # tiny model; ranks share a few cores
-    # MPI-bootstrapped store: no MASTER_ADDR/MASTER_PORT under mpirun or srun.
-    hpcddp.init_process_group(args.backend)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    # MPI-bootstrapped store: no MASTER_ADDR/MASTER_PORT under mpirun or srun. hpcddp.init
+    # (inside) picks this rank's GPU by local rank.
+    if args.backend == "auto":
+        hpcddp.init_process_group(device="cuda" if use_cuda else None)
+    else:
+        hpcddp.init_process_group(args.backend)
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    log(rank, f"world {world} on {host} backend {dist.get_backend()} "
+    log(rank, f"world {world} on {host} backend {dist.get_backend()} device {device} "
               f"restart {os.environ.get('SLURM_RESTART_COUNT', '0')}")
 
     data_files = data_bytes = None
@@ -87,8 +96,9 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"train_tiny: --data {args.data} has no files on {host}")
 
     torch.manual_seed(0)
-    true_w = torch.arange(1.0, 9.0).unsqueeze(1)
-    model = DDP(torch.nn.Linear(8, 1, bias=False))
+    true_w = torch.arange(1.0, 9.0, device=device).unsqueeze(1)
+    model = DDP(torch.nn.Linear(8, 1, bias=False).to(device),
+                device_ids=[device.index] if use_cuda else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
 
     ckpt = Checkpointer(args.ckpt_dir) if args.ckpt_dir else None
@@ -109,7 +119,7 @@ def main(argv=None) -> int:
         # Each step's batch depends only on (rank, step): a resumed run sees the same data as
         # an uninterrupted one, so its result is the same.
         gen.manual_seed(1_000_003 * rank + step)
-        x = torch.randn(args.batch, 8, generator=gen)
+        x = torch.randn(args.batch, 8, generator=gen).to(device)
         loss = torch.nn.functional.mse_loss(model(x), x @ true_w)
         opt.zero_grad()
         loss.backward()
@@ -133,10 +143,11 @@ def main(argv=None) -> int:
     if ckpt:
         ckpt.save({"model": model.module.state_dict(), "opt": opt.state_dict()}, args.steps - 1)
     summary = {"world_size": world, "steps": args.steps, "resumed_from": resumed_from,
+               "device": str(device),
                "loss": loss.item(), "lr": args.lr, "backend": str(dist.get_backend()),
                "hosts": None, "data_files": data_files, "data_bytes": data_bytes,
                "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
-               "weight": w.flatten().tolist()}
+               "weight": w.flatten().cpu().tolist()}
     hosts = [None] * world
     dist.all_gather_object(hosts, host)
     summary["hosts"] = sorted(set(hosts))
