@@ -146,7 +146,7 @@ add_hosts() {
     local name
     for name in $(node_names); do
         grep -qE "^127\.0\.0\.1[[:space:]].*\b$name\b" /etc/hosts \
-            || echo "127.0.0.1 $name  # slurm-local.sh" >>/etc/hosts
+            || echo "127.0.0.1 $name  # slurm-local.sh" >>/etc/hosts || return 1
     done
 }
 
@@ -232,6 +232,10 @@ do_start() {
         log "unshare -u -m is not allowed here: falling back to one Slurm node"
         NODES=1
     fi
+    if [ "$NODES" -gt 1 ] && ! add_hosts; then
+        log "cannot add the node names to /etc/hosts: falling back to one Slurm node"
+        NODES=1
+    fi
     fix_pmix_link
     mkdir -p "$DIR"/{ctld,spool,run,log,scratch} /etc/slurm
     local name
@@ -258,7 +262,6 @@ rm -rf "$DIR/scratch/\$SLURM_JOB_ID"
 exit 0
 EOF
     chmod 755 "$DIR/taskprolog.sh" "$DIR/epilog.sh"
-    [ "$NODES" -gt 1 ] && add_hosts
     start_munge
     # -c: start clean (no jobs from a previous run of this cluster come back).
     slurmctld -c -i
