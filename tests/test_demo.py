@@ -7,7 +7,8 @@ Three jobs, each 300 digits (240 train, 60 held out), 2 epochs of 8 steps, globa
 * 2 ranks, gloo, LMDB, float32, started through `hpcddp demo --nprocs 2` itself (the
   README's path): the same parameters to float32 rounding.
 
-Every job must evaluate each held-out sample exactly once and print every phase.
+Every job must evaluate each held-out sample exactly once and print every phase. Then the
+reference run is resumed from its epoch-1 checkpoint and must end with the same parameters.
 """
 import json
 import os
@@ -87,12 +88,32 @@ def jobs(tmp_path_factory):
                                       timeout=JOB_TIMEOUT + 30)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"hpcddp demo --nprocs 2 outlived its own --timeout: {exc}")
+    # resume: the reference run again from its epoch-1 checkpoint, as after a preemption
+    if ran["ref"].returncode == 0:
+        ckpt = tmp / "ref" / "checkpoints"
+        (ckpt / "demo-000000002.pt").rename(tmp / "ref-epoch2.ckpt")
+        args = _job_args(tmp, "ref", "--dtype", "float64", "--resume")
+        args[args.index("--save-params") + 1] = str(tmp / "resumed.pt")
+        args[args.index("--results") + 1] = str(tmp / "resumed.json")
+        ran["resumed"] = run_mpi(1, py + args, timeout=JOB_TIMEOUT, env=_env(1), cwd=str(tmp))
     return tmp, ran
 
 
 def test_demo_one_rank_reference(jobs):
     tmp, ran = jobs
     _check_job(ran["ref"], tmp, "ref", 1)
+
+
+def test_demo_resumes_from_a_checkpoint_exactly(jobs):
+    tmp, ran = jobs
+    _check_job(ran["ref"], tmp, "ref", 1)
+    res = ran["resumed"]
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "resuming from checkpoint step 1" in res.stderr
+    assert "[rank0] [train] epoch  1/2" not in res.stdout, "epoch 1 ran again"
+    assert "[rank0] [train] epoch  2/2" in res.stdout
+    diff = _max_diff(_params(tmp / "ref.pt"), _params(tmp / "resumed.pt"))
+    assert diff == 0.0, f"resumed run differs from the uninterrupted one by {diff:.3e}"
 
 
 def test_demo_three_ranks_hdf5_matches_one_rank_float64(jobs):
