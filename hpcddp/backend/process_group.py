@@ -121,8 +121,9 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return _combine([C.all_gather(o, i, self.hpcddp_comm, True)
-                         for o, i in zip(output_lists, input_list)],
+        # torch's layout: output_lists[r][i] receives rank r's input_list[i]
+        return _combine([C.all_gather([out[i] for out in output_lists], t, self.hpcddp_comm, True)
+                         for i, t in enumerate(input_list)],
                         [t for o in output_lists for t in o])
 
     def gather(self, output_tensors, input_tensors, opts):

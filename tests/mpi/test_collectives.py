@@ -30,7 +30,7 @@ import hpcddp
 
 MPI_TIMEOUT = 300
 # torch 2.13 renames the _tensor forms (all_gather_single...): the old names must still work
-pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:.*(is|will be) deprecated:FutureWarning")
 
 R = dist.ReduceOp
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
@@ -612,7 +612,15 @@ def test_coalesced(world):
         with dist._coalescing_manager(group=grp):
             for k, o in enumerate(rs):
                 dist.reduce_scatter_tensor(o, value(torch.float32, r * 3 + k, (2 * n,)), group=grp)
-        results[name] = ts + a + ag + rs
+        # all_gather_coalesced (deprecated in torch, still routed to the backend)
+        agc = [[torch.zeros(2), torch.zeros(1, 3)] for _ in range(n)]
+        dist.all_gather_coalesced(agc, [value(torch.float32, r, (2,)),
+                                        value(torch.float32, r + 50, (1, 3))], group=grp)
+        # _broadcast_coalesced: DDP's parameter and buffer broadcast
+        bc = [value(torch.float64, r, (3,)), value(torch.float64, r + 9, (2, 2))]
+        dist._broadcast_coalesced(grp if grp is not None else dist.group.WORLD, bc, 1 << 20,
+                                  n - 1)
+        results[name] = ts + a + ag + rs + [t for lst in agc for t in lst] + bc
     want = [reduce_ref("SUM", [value(torch.float32, q, (3,)) for q in range(n)], torch.float32),
             reduce_ref("SUM", [value(torch.float32, q + 7, (2, 2)) for q in range(n)],
                        torch.float32)]
@@ -622,6 +630,10 @@ def test_coalesced(world):
              for k in range(2)]
     want += [reduce_ref("SUM", [value(torch.float32, q * 3 + k, (2 * n,))[2 * r:2 * r + 2]
                                 for q in range(n)], torch.float32) for k in range(2)]
+    want += [t for q in range(n) for t in (value(torch.float32, q, (2,)),
+                                          value(torch.float32, q + 50, (1, 3)))]
+    want += [value(torch.float64, n - 1, (3,)), value(torch.float64, n - 1 + 9, (2, 2))]
     for name, got in results.items():
+        assert len(got) == len(want), name
         for k, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"{name} output {k}: {a} != {b}"
