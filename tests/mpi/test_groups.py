@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 # two ranks per emulated node, so the topology groups are real sub-groups (read by init)
-os.environ.setdefault("HPCDDP_RANKS_PER_NODE", "2")
+os.environ["HPCDDP_RANKS_PER_NODE"] = "2"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
