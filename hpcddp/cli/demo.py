@@ -27,8 +27,9 @@ or under your launcher, on any number of ranks and nodes (no --nprocs then):
     mpirun -n 8 hpcddp demo --workdir /shared/demo
     srun --mpi=pmix hpcddp demo --workdir $SCRATCH/demo --stage-dest '$SLURM_TMPDIR/digits'
 
-Expect held-out accuracy around 0.97 in well under a minute on 2 cores. The same seed and
-global batch give the same final parameters on any number of ranks (float64: to ~1e-12).
+Expect held-out accuracy of about 0.98 (0.9861 with the default seed) in under a minute on
+2 cores. The same seed and global batch give the same final parameters on any number of
+ranks (float64: to ~1e-12).
 docs/quickstart.md walks through the output.
 """
 
