@@ -1,9 +1,11 @@
 """What the flight recorder and the mismatch check cost: all_reduce with recording off/on/detail.
 
-    mpirun -n 2 python -m hpcddp.diagnostics.bench [--sizes 8,1024,4096] [--rounds 15] [--json]
+    mpirun -n 2 python -m hpcddp.diagnostics.bench [--api direct|dist] [--sizes 8,1024,4096]
+                                                 [--rounds 101] [--json]
 
-Runs ``hpcddp.all_reduce`` (the direct API, where an extra microsecond shows most) on float32
-tensors of each size with three versions of the op's ``record``:
+Runs ``hpcddp.all_reduce`` (the direct API, where an extra microsecond shows most; ``--api
+dist``: ``dist.all_reduce`` on the hpcddp backend) on float32 tensors of each size with three
+versions of the op's ``record``:
 
 - ``off``: no recording at all (a no-op ``record``/``record_end``; not a shipped setting, the
   baseline);
@@ -41,7 +43,7 @@ def _recorder_cost(n: int = 200_000) -> float:
     return best
 
 
-def run(sizes, rounds: int = 101, batch_time: float = 0.002) -> dict:
+def run(sizes, rounds: int = 101, batch_time: float = 0.002, api: str = "direct") -> dict:
     import importlib
 
     import torch
@@ -52,6 +54,12 @@ def run(sizes, rounds: int = 101, batch_time: float = 0.002) -> dict:
     from hpcddp.diagnostics import mismatch, recorder
     world = hpcddp.init().world
     saved = (red.record, red.record_end)
+    if api == "dist":
+        import torch.distributed as dist
+        hpcddp.init_process_group()
+        op = dist.all_reduce
+    else:
+        op = hpcddp.all_reduce
 
     def nothing(*a, **k):
         return None
@@ -63,7 +71,7 @@ def run(sizes, rounds: int = 101, batch_time: float = 0.002) -> dict:
         hpcddp.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
-            hpcddp.all_reduce(t)
+            op(t)
         return world.mpi.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX)
 
     results = {}
@@ -90,13 +98,15 @@ def run(sizes, rounds: int = 101, batch_time: float = 0.002) -> dict:
             results[nbytes] = r
     finally:
         red.record, red.record_end = saved
-    return {"ranks": world.size, "rounds": rounds, "recorder_cost_s": _recorder_cost(),
+    return {"ranks": world.size, "rounds": rounds, "api": api,
+            "recorder_cost_s": _recorder_cost(),
             "sizes": results}
 
 
 def _table(res: dict) -> str:
     us = 1e6
-    lines = [f"all_reduce (float32, direct API), {res['ranks']} ranks, {res['rounds']} "
+    api = "direct API" if res["api"] == "direct" else "torch.distributed"
+    lines = [f"all_reduce (float32, {api}), {res['ranks']} ranks, {res['rounds']} "
              f"interleaved rounds; medians of times and of per-round paired ratios. "
              f"Recorder start+end alone: {res['recorder_cost_s'] * us:.2f} us/op",
              "",
@@ -118,13 +128,15 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="8,1024,4096,16384,65536,1048576",
                    help="message sizes in bytes, comma-separated (default %(default)s)")
     p.add_argument("--rounds", type=int, default=101, help="rounds per size (default 101)")
+    p.add_argument("--api", choices=("direct", "dist"), default="direct",
+                   help="hpcddp.all_reduce (default) or dist.all_reduce on the hpcddp backend")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError:
         p.error(f"--sizes: expected comma-separated byte counts, got {args.sizes!r}")
-    res = run(sizes, rounds=args.rounds)
+    res = run(sizes, rounds=args.rounds, api=args.api)
     import hpcddp
     if hpcddp.world().rank == 0:
         print(json.dumps(res, indent=1) if args.json else _table(res), flush=True)

@@ -176,16 +176,20 @@ class Watchdog:
 
     # -- the loop --------------------------------------------------------------------------------
     def _run(self) -> None:
+        next_look = 0.0
         while not self._stop.is_set():
-            try:
-                self._serve()
-                self._check()
-            except Exception as exc:  # the watchdog must never take the job down by itself
-                self._errors += 1
-                if self._errors <= 3:
-                    _log.log(f"hpcddp watchdog: internal error (ignored): "
-                             f"{type(exc).__name__}: {exc}")
-            self._stop.wait(self.settings.poll)
+            now = _rec.tick()               # the flight recorder's clock (TICK_S resolution)
+            if now >= next_look:
+                try:
+                    self._serve()
+                    self._check()
+                except Exception as exc:  # the watchdog must never take the job down itself
+                    self._errors += 1
+                    if self._errors <= 3:
+                        _log.log(f"hpcddp watchdog: internal error (ignored): "
+                                 f"{type(exc).__name__}: {exc}")
+                next_look = time.monotonic() + self.settings.poll
+            self._stop.wait(_rec.TICK_S)
 
     def _coordinator(self) -> int:
         for r in range(self.size):
@@ -281,6 +285,7 @@ class Watchdog:
         t_start = time.monotonic()
         deadline = t_start + wait
         while True:
+            _rec.tick()
             self._serve()
             missing = [r for r in ranks if r not in box]
             if not missing or time.monotonic() >= deadline:
