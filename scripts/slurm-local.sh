@@ -14,7 +14,7 @@
 #   SLURM_LOCAL_NODES=2   Slurm nodes on this host: 1 is the plain one-node cluster named after
 #                         `hostname`; 2+ runs one slurmd per node (`slurmd -N`), each on its own
 #                         port, so multi-node templates really span "nodes" (one host underneath)
-#   SLURM_LOCAL_CPUS=     CPUs per Slurm node (default: nproc). Every node advertises them, so two
+#   SLURM_LOCAL_CPUS=     CPUs per Slurm node (default: the host's online CPUs). Every node advertises them, so two
 #                         nodes on a 2-core host oversubscribe the cores 2x: keep test jobs small
 #   SLURM_LOCAL_GPUS=2    count-only "gpu" GRES per node (no devices behind them) so GPU templates'
 #                         --gpus-per-node directives schedule here unchanged; 0 turns it off
@@ -35,7 +35,9 @@
 set -euo pipefail
 
 NODES=${SLURM_LOCAL_NODES:-2}
-CPUS=${SLURM_LOCAL_CPUS:-$(nproc)}
+# Not plain `nproc`: GNU nproc answers OMP_NUM_THREADS when it is set, and scripts/test.sh sets
+# it to 1, which made every Slurm node a 1-CPU node and 2-task jobs unschedulable.
+CPUS=${SLURM_LOCAL_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 GPUS=${SLURM_LOCAL_GPUS:-2}
 DIR=${SLURM_LOCAL_DIR:-/var/lib/slurm-local}
 CONF=/etc/slurm/slurm.conf
