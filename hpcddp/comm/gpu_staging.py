@@ -319,6 +319,14 @@ class Staged:
         if not async_op:
             self.copy_out()
             return None
+        if work._done:
+            # The host op finished before returning: all_reduce/broadcast run the blocking MPI
+            # call even for async_op (MPI never matches a blocking collective with a
+            # non-blocking one), so its Work is already complete and its _finish will never run
+            # again: copy back now, or the device tensor keeps its old contents.
+            self.copy_out()
+            work._result = result
+            return work
         inner = work._finish
 
         def finish():

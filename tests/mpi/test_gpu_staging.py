@@ -161,17 +161,35 @@ def test_pipeline_roles(comm):
 
 
 def test_async_is_staged_whole(comm):
-    """async_op=True stages the whole tensor (one copy in, MPI non-blocking, one copy back in
-    the Work's finish): the caller runs on while MPI works."""
+    """async_op=True stages the whole tensor: one copy in, the host op, one copy back.
+
+    all_reduce runs the blocking MPI call even for async_op (a blocking collective never
+    matches a non-blocking one on another rank), so its Work is complete on return and the
+    copy back has happened: the tensor holds the result before wait(). reduce is a real
+    MPI_Ireduce: the root's copy back runs in the Work's finish, after MPI completes.
+    """
     log: list = []
     x = data(comm.rank, 1000, torch.float32)
     ref = x.clone()
     C.all_reduce(ref, R.SUM, comm)
     w = D.all_reduce(x, R.SUM, comm, True, ctx("staging", log))
-    assert [e[0] for e in log] == ["d2h"]
+    assert [e[0] for e in log] == ["d2h", "h2d"]
+    same(x, ref, "async staged all_reduce, before wait")
     w.wait()
     assert [e[0] for e in log] == ["d2h", "h2d"]
     same(x, ref, "async staged all_reduce")
+    assert w.result()[0] is x
+
+    log.clear()
+    x = data(comm.rank, 1000, torch.float32)
+    ref = x.clone()
+    C.reduce(ref, 0, R.SUM, comm)
+    w = D.reduce(x, 0, R.SUM, comm, True, ctx("staging", log))
+    assert [e[0] for e in log] == ["d2h"]
+    w.wait()
+    assert [e[0] for e in log] == (["d2h", "h2d"] if comm.rank == 0 else ["d2h"])
+    if comm.rank == 0:
+        same(x, ref, "async staged reduce at the root")
     assert w.result()[0] is x
 
 
