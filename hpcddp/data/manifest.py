@@ -26,6 +26,8 @@ import bisect
 import hashlib
 import json
 import os
+import re
+import zlib
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -59,11 +61,15 @@ class Shard:
     first: int       # global index of its first sample
     count: int       # samples in it
     bytes: int       # file size in bytes
-    sha256: str      # hex digest of the file
+    sha256: str      # hex digest of the file: its identity (Dataset.verify, re-packing)
+    crc32: str | None = None  # 8 hex digits: the fast check the stager runs on every copy
 
     def to_json(self) -> dict:
-        return {"name": self.name, "first": self.first, "count": self.count,
-                "bytes": self.bytes, "sha256": self.sha256}
+        d = {"name": self.name, "first": self.first, "count": self.count,
+             "bytes": self.bytes, "sha256": self.sha256}
+        if self.crc32 is not None:
+            d["crc32"] = self.crc32
+        return d
 
 
 def shard_name(index: int, storage: str) -> str:
@@ -181,6 +187,9 @@ def validate(doc, where: str = "manifest") -> None:
                 f"{s['bytes']} bytes; expected to start at {expect_first} with count >= 1")
         if os.path.basename(s["name"]) != s["name"] or s["name"].startswith("."):
             bad(f"shards[{i}].name {s['name']!r} must be a plain file name")
+        c = s.get("crc32")
+        if c is not None and not (isinstance(c, str) and re.fullmatch(r"[0-9a-f]{8}", c)):
+            bad(f"shards[{i}].crc32 is {c!r}, expected 8 lowercase hex digits")
         expect_first += s["count"]
     if expect_first != n:
         bad(f"shards hold {expect_first} samples, num_samples says {n}")
@@ -216,17 +225,96 @@ def write_atomic(path: str, data: bytes, fsync: bool = False) -> None:
     os.replace(tmp, path)
 
 
-def file_sha256(path: str, block: int = HASH_BLOCK) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(block)
-    view = memoryview(buf)
+def _scan(path: str, fns, block: int = HASH_BLOCK) -> None:
+    """Feed the file's bytes to each fn, ``block`` bytes at a time.
+
+    Through a read-only mapping (no copy out of the page cache: checking a just-written
+    shard costs the checksum alone); read() where a file cannot be mapped.
+    """
+    import mmap
     with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return
+        try:
+            mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ)
+        except (OSError, ValueError, AttributeError):
+            mm = None
+        if mm is not None:
+            try:
+                view = memoryview(mm)
+                try:
+                    for off in range(0, size, block):
+                        for fn in fns:
+                            fn(view[off:off + block])
+                finally:
+                    view.release()
+            finally:
+                mm.close()
+            return
+        buf = bytearray(block)
+        view = memoryview(buf)
         while True:
             n = f.readinto(buf)
             if not n:
                 break
-            h.update(view[:n])
+            for fn in fns:
+                fn(view[:n])
+
+
+def file_sha256(path: str, block: int = HASH_BLOCK) -> str:
+    h = hashlib.sha256()
+    _scan(path, [h.update], block)
     return h.hexdigest()
+
+
+def file_digests(path: str) -> tuple[str, str]:
+    """(sha256, crc32) of a file in one read."""
+    h = hashlib.sha256()
+    c = Checker(None)
+    _scan(path, [h.update, c.update])
+    return h.hexdigest(), c.hexdigest()
+
+
+class Checker:
+    """Running checksum of a shard as it is copied: CRC-32 when the manifest has one (zlib's,
+    ~4 GB/s, releases the GIL), else SHA-256 (~1.7 GB/s with SHA-NI)."""
+
+    __slots__ = ("shard", "_crc", "_sha")
+
+    def __init__(self, shard: "Shard | None"):
+        self.shard = shard
+        self._crc = 0
+        self._sha = None
+        if shard is not None and shard.crc32 is None:
+            self._sha = hashlib.sha256()
+
+    @property
+    def kind(self) -> str:
+        return "sha256" if self._sha is not None else "crc32"
+
+    def update(self, data) -> None:
+        if self._sha is not None:
+            self._sha.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest() if self._sha is not None else f"{self._crc & 0xFFFFFFFF:08x}"
+
+    def expected(self) -> str:
+        return self.shard.sha256 if self._sha is not None else self.shard.crc32
+
+    def ok(self) -> bool:
+        return self.hexdigest() == self.expected()
+
+
+def file_matches(path: str, shard: "Shard") -> bool:
+    """Does the file hold this shard (fast checksum: CRC-32 when recorded, else SHA-256)?"""
+    c = Checker(shard)
+    _scan(path, [c.update])
+    return c.ok()
 
 
 def read_marker(path: str, name: str) -> dict | None:

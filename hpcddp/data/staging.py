@@ -173,10 +173,9 @@ class _ShardOut:
                  "lock", "reader_status")
 
     def __init__(self, shard: mf.Shard, final: str, partial: str):
-        import hashlib
         self.shard, self.final, self.partial = shard, final, partial
         self.fd = -1
-        self.hasher = hashlib.sha256()
+        self.hasher = mf.Checker(shard)
         self.written = 0
         self.error: str | None = None
         self.done = 0
@@ -278,13 +277,9 @@ class _Sink:
             return
         t = time.perf_counter()
         if st.fd < 0:
+            # no posix_fallocate: on tmpfs it zeroes every page before we overwrite it (~10%
+            # slower); free space was checked for the whole copy before it started
             st.fd = os.open(st.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            if st.shard.bytes > 0:
-                try:
-                    os.posix_fallocate(st.fd, 0, st.shard.bytes)  # ENOSPC now, not mid-file
-                except OSError as exc:
-                    if exc.errno not in (95, 22):  # EOPNOTSUPP / EINVAL: not supported here
-                        raise
         view = memoryview(slot.buf)[start:start + n]
         pos = off
         while view:
@@ -320,12 +315,10 @@ class _Sink:
             err = f"{sh.name}: {st.reader_status}"
         if err is None and st.written != sh.bytes:
             err = f"{sh.name}: wrote {st.written} bytes, the manifest says {sh.bytes}"
-        if err is None:
-            got = st.hasher.hexdigest()
-            if got != sh.sha256:
-                err = (f"{sh.name}: checksum mismatch (sha256 {got[:16]}..., manifest "
-                       f"{sh.sha256[:16]}...): the source shard is corrupted or changed since "
-                       f"packing; re-pack it or restore it, then re-run")
+        if err is None and not st.hasher.ok():
+            err = (f"{sh.name}: checksum mismatch ({st.hasher.kind} {st.hasher.hexdigest()[:16]}, "
+                   f"manifest {st.hasher.expected()[:16]}): the source shard is corrupted or "
+                   f"changed since packing; re-pack it or restore it, then re-run")
         if err is None:
             try:
                 os.replace(st.partial, st.final)
@@ -471,7 +464,7 @@ def _inspect(dest: str, m: mf.Manifest, need: list[int], verify: str, src_raw: b
             size = os.path.getsize(p)
             ok = size == sh.bytes
             if ok and verify != "size" and not trusted:
-                ok = mf.file_sha256(p) == sh.sha256
+                ok = mf.file_matches(p, sh)
             if ok:
                 have.append(s)
                 continue
@@ -640,54 +633,18 @@ def stage(src: str, dest: str, *, mode: str = "replicate", group_nodes: int | No
             bar = tqdm(total=total, unit="B", unit_scale=True, mininterval=1.0,
                        desc=f"[rank{rank}] stage node{topo.node}", leave=False)
         exchange = (not every) and mode == "replicate" and gsize > 1
-        width = gsize if exchange and strategy == "allgather" else 1
-        pool: queue.Queue = queue.Queue()
-        for _ in range(NBUFS):
-            pool.put(_Slot(chunk * width))
-        sink = _Sink(pool, node_dest, m.shards, suffix, fsync, bar, kill_after)
         try:
             if exchange:
-                needs = gl.allgather(todo)
-                union = sorted(set().union(*map(set, needs)))
-                readers = split_by_bytes([sizes[s] for s in union], gsize)
-                reader_of = {}
-                for j, part in enumerate(readers):
-                    for i in part:
-                        reader_of[union[i]] = j
-                my_plan = []
-                for s in union:
-                    if reader_of[s] == g_index:
-                        pieces = chunks_of(sizes[s], chunk)
-                        for i, (off, n) in enumerate(pieces):
-                            my_plan.append((s, off, n, i == len(pieces) - 1))
-                at = g_index * chunk if strategy == "allgather" else 0
-                reader = _Reader(src, m.shards, my_plan, pool, at)
-                reader.start()
-                want = set(todo)
-                if strategy == "bcast":
-                    _run_bcast(gl, union, reader_of, sizes, chunk, g_index, reader, pool, sink, want)
-                else:
-                    _run_allgather(gl, union, reader_of, sizes, chunk, g_index, reader, pool,
-                                   sink, want)
+                st = _copy_exchange(gl, strategy, src, node_dest, m, todo, chunk, gsize, g_index,
+                                    fsync, bar, kill_after)
             else:
-                plan = []
-                for s in todo:
-                    pieces = chunks_of(sizes[s], chunk)
-                    for i, (off, n) in enumerate(pieces):
-                        plan.append((s, off, n, i == len(pieces) - 1))
-                reader = _Reader(src, m.shards, plan, pool, 0)
-                reader.start()
-                for _ in plan:
-                    slot, s, off, n, last, status = reader.next()
-                    sink.submit(slot, [(s, off, 0, n, last, status)])
-            reader.join()
+                st = _copy_local(src, node_dest, m, todo, chunk, suffix, fsync, bar, kill_after)
         finally:
-            sink.close()
             if bar is not None:
                 bar.close()
-        bytes_read += reader.bytes_read
-        read_s, write_s, hash_s = reader.read_s, sink.write_s, sink.hash_s
-        copied, errors, bytes_written = sink.copied, sink.errors, sink.bytes_written
+        bytes_read += st.bytes_read
+        read_s, write_s, hash_s = st.read_s, st.write_s, st.hash_s
+        copied, errors, bytes_written = st.copied, st.errors, st.bytes_written
     t_copy_local = time.perf_counter()
     _quiet_barrier(world)
     t_copy = time.perf_counter()
@@ -725,6 +682,171 @@ def stage(src: str, dest: str, *, mode: str = "replicate", group_nodes: int | No
     times = world.allgather((t_plan - t_start, t_copy - t_plan, t_end - t_copy, t_end - t_start))
     return _result(src, os.fspath(dest), mode, strategy, topo, k, groups.group_ws, chunk, m, raw,
                    reports, times)
+
+
+
+@dataclass
+class _CopyStats:
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_s: float = 0.0
+    write_s: float = 0.0
+    hash_s: float = 0.0
+    copied: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+
+
+def _copy_exchange(gl, strategy, src, node_dest, m, todo, chunk, gsize, g_index, fsync, bar,
+                   kill_after) -> _CopyStats:
+    """Replicate within a group of several nodes: leaders read disjoint ranges, MPI moves them."""
+    sizes = [s.bytes for s in m.shards]
+    width = gsize if strategy == "allgather" else 1
+    pool: queue.Queue = queue.Queue()
+    for _ in range(NBUFS):
+        pool.put(_Slot(chunk * width))
+    sink = _Sink(pool, node_dest, m.shards, "", fsync, bar, kill_after)
+    try:
+        needs = gl.allgather(todo)
+        union = sorted(set().union(*map(set, needs)))
+        readers = split_by_bytes([sizes[s] for s in union], gsize)
+        reader_of = {}
+        for j, part in enumerate(readers):
+            for i in part:
+                reader_of[union[i]] = j
+        my_plan = []
+        for s in union:
+            if reader_of[s] == g_index:
+                pieces = chunks_of(sizes[s], chunk)
+                for i, (off, n) in enumerate(pieces):
+                    my_plan.append((s, off, n, i == len(pieces) - 1))
+        at = g_index * chunk if strategy == "allgather" else 0
+        reader = _Reader(src, m.shards, my_plan, pool, at)
+        reader.start()
+        want = set(todo)
+        if strategy == "bcast":
+            _run_bcast(gl, union, reader_of, sizes, chunk, g_index, reader, pool, sink, want)
+        else:
+            _run_allgather(gl, union, reader_of, sizes, chunk, g_index, reader, pool, sink, want)
+        reader.join()
+    finally:
+        sink.close()
+    return _CopyStats(reader.bytes_read, sink.bytes_written, reader.read_s, sink.write_s,
+                      sink.hash_s, sink.copied, sink.errors)
+
+
+def _copy_local(src, node_dest, m, todo, chunk, suffix, fsync, bar, kill_after) -> _CopyStats:
+    """Copy shards straight from the source (no MPI): partition mode, one-node groups,
+    every-rank. The kernel copies (``sendfile``: no pass through Python buffers, as ``cp``
+    does with copy_file_range), then a second thread checksums each finished file through a read-only mapping of the page
+    cache and checks it against the manifest: what is verified is what landed on disk.
+    """
+    stats = _CopyStats()
+    q: queue.Queue = queue.Queue(maxsize=2)
+    step = max(chunk, 1 << 20)
+    chunks = 0
+
+    def verify_loop():
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            sh, partial, final, err = item
+            if err is None:
+                t = time.perf_counter()
+                c = mf.Checker(sh)
+                try:
+                    mf._scan(partial, [c.update])
+                    if not c.ok():
+                        err = (f"{sh.name}: checksum mismatch ({c.kind} {c.hexdigest()[:16]}, "
+                               f"manifest {c.expected()[:16]}): the source shard is corrupted "
+                               f"or changed since packing; re-pack it or restore it, then re-run")
+                except OSError as exc:
+                    err = f"{sh.name}: re-reading {partial}: {exc}"
+                stats.hash_s += time.perf_counter() - t
+            if err is None:
+                try:
+                    os.replace(partial, final)
+                    stats.copied.append(sh.index)
+                    continue
+                except OSError as exc:
+                    err = f"{sh.name}: rename to {final}: {exc}"
+            stats.errors.append(err)
+            try:
+                os.remove(partial)
+            except OSError:
+                pass
+
+    verifier = threading.Thread(target=verify_loop, name="hpcddp-stage-verify", daemon=True)
+    verifier.start()
+    try:
+        for s in todo:
+            sh = m.shards[s]
+            path = os.path.join(src, sh.name)
+            final = os.path.join(node_dest, sh.name)
+            partial = os.path.join(node_dest, mf.partial_name(sh.name) + suffix)
+            err = None
+            try:
+                sfd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                stats.errors.append(f"{sh.name}: cannot open the source shard {path}: "
+                                    f"{exc.strerror or exc}")
+                continue
+            try:
+                size = os.fstat(sfd).st_size
+                if size != sh.bytes:
+                    err = (f"{sh.name}: the source shard {path} has {size} bytes, the manifest "
+                           f"says {sh.bytes}: the source changed since packing")
+                dfd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    off = 0
+                    use_sendfile = True
+                    while err is None and off < sh.bytes:
+                        n = min(step, sh.bytes - off)
+                        t = time.perf_counter()
+                        k = 0
+                        if use_sendfile:
+                            try:
+                                k = os.sendfile(dfd, sfd, off, n)
+                            except OSError as exc:
+                                if exc.errno not in (22, 38, 95):  # EINVAL/ENOSYS/EOPNOTSUPP
+                                    raise
+                                use_sendfile = False
+                        if not use_sendfile:
+                            data = os.pread(sfd, n, off)
+                            k = len(data)
+                            mv = memoryview(data)
+                            while mv:
+                                mv = mv[os.write(dfd, mv):]
+                        stats.write_s += time.perf_counter() - t
+                        if k == 0:
+                            err = (f"{sh.name}: the source shard is shorter than the "
+                                   f"manifest's {sh.bytes} bytes (truncated?)")
+                            break
+                        off += k
+                        stats.bytes_read += k
+                        stats.bytes_written += k
+                        if bar is not None:
+                            bar.update(k)
+                        chunks += 1
+                        if kill_after is not None and chunks >= kill_after:
+                            from hpcddp.comm import log
+                            log(f"stage: {_KILL_ENV}={kill_after} reached: exiting mid-copy "
+                                f"(test kill point)")
+                            os._exit(137)
+                    if fsync and err is None:
+                        os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+            except OSError as exc:
+                err = err or f"{sh.name}: copying to {partial}: {exc}"
+            finally:
+                os.close(sfd)
+            q.put((sh, partial, final, err))
+    finally:
+        q.put(None)
+        verifier.join()
+    stats.read_s = stats.write_s  # one kernel call reads and writes
+    return stats
 
 
 def _run_bcast(gl, union, reader_of, sizes, chunk, me, reader, pool, sink, want) -> None:
