@@ -42,12 +42,13 @@ def install_abort_on_exception() -> None:
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):
-        if issubclass(exc_type, (KeyboardInterrupt, SystemExit)) and exc_type is not KeyboardInterrupt:
+        if issubclass(exc_type, SystemExit):
             return previous(exc_type, exc, tb)
         _abort_with(exc_type, exc, tb)
 
     sys.excepthook = hook
-    threading.excepthook = lambda args: _abort_with(args.exc_type, args.exc_value, args.exc_traceback)
+    threading.excepthook = lambda args: _abort_with(args.exc_type, args.exc_value,
+                                                    args.exc_traceback)
 
 
 def install_rank_prefixed_excepthook() -> None:

@@ -10,12 +10,14 @@ versions of the op's ``record``:
 - ``off``: no recording at all (a no-op ``record``/``record_end``; not a shipped setting, the
   baseline);
 - ``on``: the flight recorder (the default);
-- ``detail``: the recorder plus the cross-rank mismatch check (HPCDDP_DEBUG=detail).
+- ``detail``: the recorder plus the cross-rank mismatch check (HPCDDP_DEBUG=detail);
+- ``off2``: ``off`` again: an A/A comparison, what a change that costs nothing measures as
+  on this machine (the noise floor of the ``on / off`` column).
 
 Each round runs one short batch (~2 ms) of every mode, in an order that rotates; the table
 gives the median time per op of each mode and the median of the per-round paired ratios (on a
-shared machine only ratios taken side by side are comparable). Also prints the recorder's own cost per op
-measured in one process (start + end), which is what "on" adds to any op.
+shared machine only ratios taken side by side are comparable). Also prints the recorder's own
+cost per op measured in one process (start + end), which is what "on" adds to any op.
 """
 from __future__ import annotations
 
@@ -63,7 +65,9 @@ def run(sizes, rounds: int = 101, batch_time: float = 0.002, api: str = "direct"
 
     def nothing(*a, **k):
         return None
-    modes = {"off": (nothing, nothing), "on": (recorder.start, recorder.end),
+    # "off2" is "off" again (an A/A test): its ratio to "off" is the noise floor
+    modes = {"off": (nothing, nothing), "off2": (nothing, nothing),
+             "on": (recorder.start, recorder.end),
              "detail": (mismatch.checked_start, recorder.end)}
 
     def batch(mode, t, iters) -> float:
@@ -83,7 +87,7 @@ def run(sizes, rounds: int = 101, batch_time: float = 0.002, api: str = "direct"
             per = batch("off", t, 100)
             iters = int(world.mpi.allreduce(max(10, int(batch_time / per)), op=MPI.MAX))
             times = {m: [] for m in modes}
-            on_off, det_on = [], []
+            on_off, det_on, noise = [], [], []
             order = list(modes)
             for _ in range(rounds):
                 order = order[1:] + order[:1]    # rotate: no mode always runs first
@@ -91,9 +95,11 @@ def run(sizes, rounds: int = 101, batch_time: float = 0.002, api: str = "direct"
                 for m in modes:
                     times[m].append(got[m])
                 on_off.append(got["on"] / got["off"])
+                noise.append(got["off2"] / got["off"])
                 det_on.append(got["detail"] / got["on"])
             r = {m: statistics.median(v) for m, v in times.items()}
             r.update(iters=iters, on_over_off=statistics.median(on_off),
+                     off2_over_off=statistics.median(noise),
                      detail_over_on=statistics.median(det_on))
             results[nbytes] = r
     finally:
@@ -110,14 +116,16 @@ def _table(res: dict) -> str:
              f"interleaved rounds; medians of times and of per-round paired ratios. "
              f"Recorder start+end alone: {res['recorder_cost_s'] * us:.2f} us/op",
              "",
-             "| size | recording off | on (default) | on / off | detail (mismatch check) "
-             "| detail / on |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             "| size | recording off | on (default) | on / off | A/A: off again / off "
+             "| detail (mismatch check) | detail / on |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for n, r in res["sizes"].items():
         size = f"{n} B" if n < 1024 else (f"{n // 1024} KiB" if n < 1 << 20 else
                                           f"{n >> 20} MiB")
         lines.append(f"| {size} | {r['off'] * us:.2f} us | {r['on'] * us:.2f} us | "
-                     f"{(r['on_over_off'] - 1) * 100:+.1f}% | {r['detail'] * us:.2f} us | "
+                     f"{(r['on_over_off'] - 1) * 100:+.1f}% | "
+                     f"{(r['off2_over_off'] - 1) * 100:+.1f}% | "
+                     f"{r['detail'] * us:.2f} us | "
                      f"{(r['detail_over_on'] - 1) * 100:+.0f}% |")
     return "\n".join(lines)
 
