@@ -179,6 +179,11 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
             if s != "bcast":
                 ratios[f"{s}/bcast"] = protocol.spread(protocol.paired(times[s][1:],
                                                                        times["bcast"][1:]))
+    if "cp" in times:  # each strategy's write throughput as a fraction of cp -r's
+        for s in strategies:
+            if s != "cp":
+                ratios[f"cp/{s}"] = protocol.spread(protocol.paired(times["cp"][1:],
+                                                                    times[s][1:]))
     return {"kind": "hpcddp-bench-stage", "version": 1, "setup": setup, "load": load,
             "config": {"size_mb": size_mb, "files": files, "rounds": rounds,
                        "discarded_rounds": 1, "strategies": list(strategies),
@@ -200,16 +205,23 @@ def text(result: dict, markdown: bool = False) -> str:
     from hpcddp.bench.report import _num, _render, setup_lines
     cfg = result["config"]
     header = ["strategy", "seconds", "GB/s per node", "GB/s written (all nodes)",
-              "read from source", "x data set", "time vs bcast", "check"]
+              "read from source", "x data set", "time vs bcast", "throughput vs cp", "check"]
+
+    def cell(ratio, same):
+        if ratio:
+            return f"{_num(ratio['median'])} ({_num(ratio['q1'])}–{_num(ratio['q3'])})"
+        return "1" if same else "-"
+
     rows = []
     for row in result["strategies"]:
-        ratio = result["ratios"].get(f"{row['strategy']}/bcast")
-        rows.append([row["strategy"], f"{_num(row['seconds'])} ({_num(row['q1_s'])}–"
+        s = row["strategy"]
+        rows.append([s, f"{_num(row['seconds'])} ({_num(row['q1_s'])}–"
                      f"{_num(row['q3_s'])})", _num(row["node_gbps"]), _num(row["written_gbps"]),
                      f"{row['bytes_read_from_source'] / 1e6:.0f} MB",
                      f"{row['read_amplification']:.2f}",
-                     f"{_num(ratio['median'])} ({_num(ratio['q1'])}–{_num(ratio['q3'])})"
-                     if ratio else "1", "ok" if row["correct"] else "FAILED"])
+                     cell(result["ratios"].get(f"{s}/bcast"), s == "bcast"),
+                     cell(result["ratios"].get(f"cp/{s}"), s == "cp"),
+                     "ok" if row["correct"] else "FAILED"])
     title = (f"staging {result['dataset_bytes'] / 1e6:.0f} MB ({cfg['files']} shards) to "
              f"{cfg['nodes']} node(s), {cfg['ranks']} ranks, {cfg['cache']} source cache: "
              f"median over rounds (quartiles), MAX over ranks; GB = 1e9 B")

@@ -29,8 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nodes per group; the source is read once per group (default: "
                              "all nodes in one group)")
     parser.add_argument("--strategy", choices=("auto", "bcast", "allgather", "every-rank"),
-                        default="auto", help="how shards reach the group's nodes (auto: bcast); "
-                                             "every-rank is the baseline with no MPI traffic")
+                        default="auto",
+                        help="how shards reach the group's nodes (auto: allgather for groups of "
+                             "up to 8 nodes, bcast beyond); every-rank is the baseline with no "
+                             "MPI traffic")
     parser.add_argument("--chunk-size", type=parse_size, default="16M", metavar="SIZE",
                         help="bytes per read and per message (default 16M)")
     parser.add_argument("--verify", choices=("auto", "full", "size"), default="auto",

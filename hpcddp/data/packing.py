@@ -320,7 +320,7 @@ def pack(source, out: str, *, format: str = "lmdb", shard_bytes: int = DEFAULT_S
             _write_hdf5(path, first, pending, enc.encoding)
         sha, crc = mf.file_digests(path)
         shards.append({"name": name, "first": first, "count": len(pending),
-                       "bytes": os.path.getsize(path), "sha256": sha, "crc32": crc})
+                       "bytes": os.path.getsize(path), "sha256": sha, "crc32c": crc})
         pending, pending_bytes = [], 0
 
     try:
@@ -354,7 +354,7 @@ def pack(source, out: str, *, format: str = "lmdb", shard_bytes: int = DEFAULT_S
         "classes": src.classes,
         "dtype": None if enc.dtype is None else enc.dtype.str,
         "shape": None if enc.shape is None else list(enc.shape),
-        "shard_bytes_target": shard_bytes, "checksums": ["sha256", "crc32"], "shards": shards,
+        "shard_bytes_target": shard_bytes, "checksums": ["sha256", "crc32c"], "shards": shards,
         "total_bytes": sum(s["bytes"] for s in shards),
     }
     if doc["encoding"] == "array" and doc["dtype"] is None:
