@@ -316,21 +316,32 @@ class _Sink:
         if err is None and st.written != sh.bytes:
             err = f"{sh.name}: wrote {st.written} bytes, the manifest says {sh.bytes}"
         if err is None and not st.hasher.ok():
-            err = (f"{sh.name}: checksum mismatch ({st.hasher.kind} {st.hasher.hexdigest()[:16]}, "
-                   f"manifest {st.hasher.expected()[:16]}): the source shard is corrupted or "
-                   f"changed since packing; re-pack it or restore it, then re-run")
-        if err is None:
-            try:
-                os.replace(st.partial, st.final)
-                self.copied.append(sh.index)
-                return
-            except OSError as exc:
-                err = f"{sh.name}: rename to {st.final}: {exc}"
-        self.errors.append(err)
+            err = _mismatch(sh, st.hasher)
+        _settle(sh, st.partial, st.final, err, self.copied, self.errors)
+
+
+def _mismatch(sh: mf.Shard, checker: mf.Checker) -> str:
+    return (f"{sh.name}: checksum mismatch ({checker.kind} {checker.hexdigest()[:16]}, "
+            f"manifest {checker.expected()[:16]}): the source shard is corrupted or changed "
+            f"since packing; re-pack it or restore it, then re-run")
+
+
+def _settle(sh: mf.Shard, partial: str, final: str, err: str | None, copied: list,
+            errors: list) -> None:
+    """A copied shard's end: verified (ERR None) -> renamed to its final name; else the
+    error is recorded and the partial file removed (a re-run copies it again)."""
+    if err is None:
         try:
-            os.remove(st.partial)
-        except OSError:
-            pass
+            os.replace(partial, final)
+            copied.append(sh.index)
+            return
+        except OSError as exc:
+            err = f"{sh.name}: rename to {final}: {exc}"
+    errors.append(err)
+    try:
+        os.remove(partial)
+    except OSError:
+        pass
 
 
 # -- the read side ----------------------------------------------------------------------------
@@ -776,24 +787,11 @@ def _copy_local(src, node_dest, m, todo, chunk, suffix, fsync, bar, kill_after) 
                 try:
                     mf._scan(partial, [c.update])
                     if not c.ok():
-                        err = (f"{sh.name}: checksum mismatch ({c.kind} {c.hexdigest()[:16]}, "
-                               f"manifest {c.expected()[:16]}): the source shard is corrupted "
-                               f"or changed since packing; re-pack it or restore it, then re-run")
+                        err = _mismatch(sh, c)
                 except OSError as exc:
                     err = f"{sh.name}: re-reading {partial}: {exc}"
                 stats.hash_s += time.perf_counter() - t
-            if err is None:
-                try:
-                    os.replace(partial, final)
-                    stats.copied.append(sh.index)
-                    continue
-                except OSError as exc:
-                    err = f"{sh.name}: rename to {final}: {exc}"
-            stats.errors.append(err)
-            try:
-                os.remove(partial)
-            except OSError:
-                pass
+            _settle(sh, partial, final, err, stats.copied, stats.errors)
 
     verifier = threading.Thread(target=verify_loop, name="hpcddp-stage-verify", daemon=True)
     verifier.start()
