@@ -15,10 +15,10 @@ A staged copy (``hpcddp stage``) holds the same files, byte for byte, plus marke
       READY                  written last, once every shard of this node is verified
 
 Shards are the unit of packing, staging, verification and resume: a shard is one file with a
-known size and SHA-256, holding the samples ``first .. first + count - 1`` in key order.
+known size, SHA-256 and CRC-32C, holding the samples ``first .. first + count - 1`` in key order.
 
-This module needs no MPI and no torch (json, hashlib, crc32c): the stager, the datasets and the CLI all
-read manifests, and a DataLoader worker must not import MPI to do so.
+This module needs no MPI and no torch (json, hashlib, crc32c): the stager, the datasets and
+the CLI all read manifests, and a DataLoader worker must not import MPI to do so.
 """
 from __future__ import annotations
 
@@ -43,7 +43,6 @@ SHARD_EXT = {"lmdb": ".lmdb", "hdf5": ".h5"}
 # bytes: raw values; array: one dtype and shape for every sample (raw C-order bytes);
 # npy: each value is a .npy file's bytes (arrays whose shapes or dtypes vary)
 ENCODINGS = ("bytes", "array", "npy")
-HASH = "sha256"
 HASH_BLOCK = 8 << 20
 
 

@@ -500,7 +500,7 @@ def auto_strategy(group_nodes: int, chunk_bytes: int) -> str:
     allgather where its buffers (NBUFS x group_nodes x chunk_bytes per leader) stay within
     512 MiB, i.e. groups of up to 8 nodes at the default 16 MiB chunk; bcast beyond, whose
     buffers do not grow with the group. Measured on 2 emulated nodes with the source's cache
-    cold (docs/data.md): allgather took 0.84x bcast's time, since every leader reads and
+    cold (docs/data.md): allgather took 0.78x bcast's time, since every leader reads and
     sends at once instead of one leader at a time.
     """
     if NBUFS * group_nodes * chunk_bytes <= AUTO_ALLGATHER_MAX_BYTES:
