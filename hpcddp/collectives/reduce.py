@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hpcddp.collectives import _large
+from hpcddp.collectives import _shm
 from hpcddp.collectives import _lists
 from hpcddp.collectives._plans import make_plan, plans as _plans
 from hpcddp.collectives._common import (IN_PLACE, CompletedWork, as_array, check_list,
@@ -41,6 +42,13 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
     except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
         return _device.all_reduce(tensor, op, comm, async_op)
     mop, kind = reduce_op(op, tensor.dtype, "all_reduce")
+    if _shm.usable(comm, arr.nbytes, tensor.dtype, kind):
+        entry = record(comm, "all_reduce", tensor.shape, tensor.dtype)
+        pre_reduce(tensor, op, kind)
+        _shm.arena(comm).all_reduce(tensor.view(-1))
+        post_reduce(tensor, kind, comm.size)
+        record_end(entry)
+        return CompletedWork([tensor]) if async_op else None
     if kind is SUM_KIND and not _large.too_big(arr):
         make_plan(tensor, group, comm, arr, mop)
     entry = record(comm, "all_reduce", tensor.shape, tensor.dtype)

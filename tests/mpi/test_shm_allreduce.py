@@ -1,0 +1,157 @@
+"""The shared-memory all_reduce (hpcddp.collectives._shm) for large tensors on one node.
+
+Every rank builds every rank's input itself, so the reference needs no message: the sum in
+rank order ((x0 + x1) + x2) + ..., computed in the dtype by torch, which is exactly what the
+arena computes; the result must match it bit for bit, on every rank. Sizes straddle the
+threshold, the chunk (n x slot) boundaries and slices that do not divide evenly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hpcddp
+from hpcddp.collectives import _shm
+from hpcddp.comm._mpi import MPI
+
+MPI_TIMEOUT = 300
+R = dist.ReduceOp
+
+
+@pytest.fixture(scope="module")
+def world():
+    hpcddp.init_process_group()
+    yield hpcddp.world()
+
+
+def inputs(dtype, numel: int, n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point or dtype.is_complex:
+        # random floats: sums round, so the reduction order shows in the bits
+        return [torch.randn(numel, generator=g, dtype=dtype) for _ in range(n)]
+    return [torch.randint(-100, 100, (numel,), generator=g).to(dtype) for _ in range(n)]
+
+
+def in_rank_order(xs: list[torch.Tensor]) -> torch.Tensor:
+    out = xs[0] + xs[1]
+    for x in xs[2:]:
+        out = out + x
+    return out
+
+
+def elements(dtype, nbytes: int) -> int:
+    return nbytes // torch.empty(0, dtype=dtype).element_size()
+
+
+def sizes(comm) -> list[int]:
+    """Byte sizes: at the threshold, one chunk +- a little, several chunks and a ragged end."""
+    arena = _shm.arena(comm)
+    chunk = comm.size * arena.slot * comm.size  # n slots per rank, in bytes over all ranks
+    return [_shm.MIN_BYTES, _shm.MIN_BYTES + 8 * 3, chunk - 16, chunk + 40, 3 * chunk + 1000]
+
+
+def assert_same_everywhere(comm, t: torch.Tensor) -> None:
+    """Every rank ends with the same bits (compared through a byte-wise allgather)."""
+    b = t.view(torch.uint8).numpy()
+    allb = comm.mpi.allgather(b.tobytes())
+    assert all(x == allb[0] for x in allb), "ranks hold different results"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.complex64, torch.int64, torch.int8, torch.uint8])
+def test_sum_matches_rank_order_bitwise(world, dtype):
+    n, r = world.size, world.rank
+    assert _shm.arena(world) is not None, "ranks of one machine should get an arena"
+    for nbytes in sizes(world):
+        numel = elements(dtype, nbytes)
+        xs = inputs(dtype, numel, n, seed=numel)
+        want = in_rank_order(xs)
+        t = xs[r].clone()
+        hpcddp.all_reduce(t, group=world)
+        assert torch.equal(t, want), f"{dtype} {numel} elements"
+        assert_same_everywhere(world, t)
+
+
+@pytest.mark.parametrize("api", ["dist", "direct"])
+def test_avg_premul_and_async(world, api):
+    n, r = world.size, world.rank
+    numel = 7 * (elements(torch.float64, 3 * _shm.MIN_BYTES) // 7 + 1)  # a 7 x k tensor
+    xs = inputs(torch.float64, numel, n, seed=1)
+    ops = {"AVG": (R.AVG, in_rank_order(xs) / n),
+           "PREMUL_SUM": (dist._make_nccl_premul_sum(2.0), in_rank_order([2.0 * x for x in xs]))}
+    for name, (op, want) in ops.items():
+        for async_op in (False, True):
+            t = xs[r].clone().view(7, -1)
+            fn = dist.all_reduce if api == "dist" else hpcddp.all_reduce
+            work = fn(t, op=op, async_op=async_op)
+            if async_op:
+                assert work.wait() is not False
+            assert torch.allclose(t.view(-1), want, rtol=0, atol=1e-12), f"{name} async={async_op}"
+
+
+def test_subgroups_get_their_own_arena(world):
+    """A group of some ranks reduces among them only; the others' tensors are untouched."""
+    n, r = world.size, world.rank
+    members = list(range(0, n, 2)) if n > 2 else [0, 1]
+    group = dist.new_group(members)
+    numel = elements(torch.float32, 2 * _shm.MIN_BYTES) + 3
+    xs = inputs(torch.float32, numel, n, seed=2)
+    t = xs[r].clone()
+    if r in members:
+        dist.all_reduce(t, group=group)
+        assert torch.equal(t, in_rank_order([xs[m] for m in members]))
+    else:
+        assert torch.equal(t, xs[r])
+    dist.barrier()
+
+
+def test_other_ops_and_small_sizes_stay_with_mpi(world):
+    """MAX is not the arena's (MPI reduces it); below MIN_BYTES neither is SUM. Both right."""
+    n, r = world.size, world.rank
+    for numel, op, ref in [(elements(torch.float32, 4 * _shm.MIN_BYTES), R.MAX,
+                            lambda xs: torch.stack(xs).amax(0)),
+                           (elements(torch.float32, _shm.MIN_BYTES) - 1, R.SUM, in_rank_order)]:
+        xs = inputs(torch.float32, numel, n, seed=3)
+        t = xs[r].clone()
+        hpcddp.all_reduce(t, op=op)
+        assert torch.allclose(t, ref(xs), rtol=1e-6, atol=1e-6)
+
+
+def test_a_rank_that_cannot_map_sends_everyone_to_mpi(world, monkeypatch):
+    """Any rank failing to set up the arena -> every rank falls back, nobody hangs."""
+    comm = hpcddp.Communicator(world.mpi.Dup(), "shm-refused")  # fresh: no arena yet
+    if comm.rank == comm.size - 1:
+        def refuse(*a, **k):
+            raise OSError(12, "Cannot allocate memory (test)")
+        monkeypatch.setattr(_shm.mmap, "mmap", refuse)
+    assert _shm.arena(comm) is None
+    monkeypatch.undo()
+    numel = elements(torch.float32, 2 * _shm.MIN_BYTES)
+    xs = inputs(torch.float32, numel, world.size, seed=4)
+    t = xs[comm.rank].clone()
+    hpcddp.all_reduce(t, group=comm)
+    assert torch.allclose(t, in_rank_order(xs), rtol=1e-6, atol=1e-6)
+
+
+def test_no_shm_dir_falls_back(world, monkeypatch):
+    monkeypatch.setattr(_shm, "SHM_DIR", "/nonexistent-hpcddp-test")
+    comm = hpcddp.Communicator(world.mpi.Dup(), "shm-no-dir")
+    assert _shm.arena(comm) is None
+    monkeypatch.undo()
+    numel = elements(torch.int32, 2 * _shm.MIN_BYTES)
+    xs = inputs(torch.int32, numel, world.size, seed=5)
+    t = xs[comm.rank].clone()
+    hpcddp.all_reduce(t, group=comm)
+    assert torch.equal(t, in_rank_order(xs))
+
+
+def test_arena_file_is_gone(world):
+    """The /dev/shm name is unlinked once every rank has mapped it: nothing to clean up."""
+    import glob
+    import os
+    _shm.arena(world)
+    world.mpi.Barrier()
+    mine = glob.glob(os.path.join(_shm.SHM_DIR, f"hpcddp-{os.getpid()}-*"))
+    assert mine == []
+    assert MPI.COMM_WORLD.allreduce(len(mine)) == 0
