@@ -127,6 +127,11 @@ def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
     if _large.too_big(inp):
         _large.refuse("reduce_scatter_tensor", "input", input.numel())
     mop, kind = reduce_op(op, output.dtype, "reduce_scatter_tensor")
+    if _shm.usable(comm, inp.nbytes, output.dtype, kind):
+        flat = input.view(-1)
+        c = output.numel()
+        return _shm_reduce_scatter(output, [flat[j * c:(j + 1) * c] for j in range(comm.size)],
+                                   op, kind, comm, async_op)
     entry = record(comm, "reduce_scatter", output.shape, output.dtype)
     if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
         input = input.clone()
@@ -146,11 +151,26 @@ def reduce_scatter(output, input_list, op=SUM, group=None, async_op=False):
         return _device.reduce_scatter(output, input_list, op, comm, async_op)
     check_list(input_list, comm.size, "reduce_scatter", "input_list")
     same_spec(input_list, output, "reduce_scatter", "input_list")
-    reduce_op(op, output.dtype, "reduce_scatter")  # a refused op names this function
+    kind = reduce_op(op, output.dtype, "reduce_scatter")[1]  # a refused op names this function
+    if _shm.usable(comm, output.nbytes * comm.size, output.dtype, kind):
+        return _shm_reduce_scatter(output, [t.view(-1) for t in input_list], op, kind, comm,
+                                   async_op)
     if _lists.use_p2p(comm, output.numel()):
-        kind = reduce_op(op, output.dtype, "reduce_scatter")[1]
         if _lists.reduce_scatter_supported(kind, output.dtype):  # zero-copy inputs
             entry = record(comm, "reduce_scatter", output.shape, output.dtype)
             return _lists.reduce_scatter(output, input_list, kind, comm, async_op, entry)
     flat = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)
     return reduce_scatter_tensor(output, flat, op, comm, async_op)
+
+
+def _shm_reduce_scatter(output, blocks, op, kind, comm, async_op):
+    """reduce_scatter through the node's shared-memory arena (hpcddp.collectives._shm)."""
+    entry = record(comm, "reduce_scatter", output.shape, output.dtype)
+    if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
+        blocks = [b.clone() for b in blocks]
+        for b in blocks:
+            pre_reduce(b, op, kind)
+    _shm.arena(comm).reduce_scatter(blocks, output.view(-1))
+    post_reduce(output, kind, comm.size)
+    record_end(entry)
+    return CompletedWork([output]) if async_op else None

@@ -1,4 +1,5 @@
-"""The shared-memory all_reduce (hpcddp.collectives._shm) for large tensors on one node.
+"""The shared-memory all_reduce and reduce_scatter (hpcddp.collectives._shm): large tensors,
+ranks of one node.
 
 Every rank builds every rank's input itself, so the reference needs no message: the sum in
 rank order ((x0 + x1) + x2) + ..., computed in the dtype by torch, which is exactly what the
@@ -17,6 +18,7 @@ from hpcddp.comm._mpi import MPI
 
 MPI_TIMEOUT = 300
 R = dist.ReduceOp
+pytestmark = pytest.mark.filterwarnings("ignore:.*(is|will be) deprecated:FutureWarning")
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,38 @@ def test_avg_premul_and_async(world, api):
             if async_op:
                 assert work.wait() is not False
             assert torch.allclose(t.view(-1), want, rtol=0, atol=1e-12), f"{name} async={async_op}"
+
+
+@pytest.mark.parametrize("form", ["tensor", "list"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_reduce_scatter_matches_rank_order_bitwise(world, form, dtype):
+    n, r = world.size, world.rank
+    arena = _shm.arena(world)
+    for block_bytes in (_shm.MIN_BYTES // n + 8, arena.slot - 4, 2 * arena.slot + 12):
+        c = elements(dtype, block_bytes)
+        xs = inputs(dtype, n * c, n, seed=c)
+        want = in_rank_order([x[r * c:(r + 1) * c] for x in xs])
+        out = torch.full((c,), 7, dtype=dtype)
+        if form == "tensor":
+            hpcddp.reduce_scatter_tensor(out, xs[r].clone())
+        else:
+            dist.reduce_scatter(out, list(xs[r].clone().chunk(n)))
+        assert torch.equal(out, want), f"{form} {dtype} block of {c}"
+
+
+def test_reduce_scatter_avg_premul_leave_input(world):
+    n, r = world.size, world.rank
+    c = elements(torch.float64, _shm.MIN_BYTES)
+    xs = inputs(torch.float64, n * c, n, seed=9)
+    for op, want in [(R.AVG, in_rank_order([x[r * c:(r + 1) * c] for x in xs]) / n),
+                     (dist._make_nccl_premul_sum(2.0),
+                      in_rank_order([2.0 * x[r * c:(r + 1) * c] for x in xs]))]:
+        inp = xs[r].clone()
+        out = torch.empty(c, dtype=torch.float64)
+        work = dist.reduce_scatter_tensor(out, inp, op=op, async_op=True)
+        work.wait()
+        assert torch.allclose(out, want, rtol=0, atol=1e-12)
+        assert torch.equal(inp, xs[r]), "the input must not change (PREMUL_SUM scales a copy)"
 
 
 def test_subgroups_get_their_own_arena(world):
