@@ -56,6 +56,14 @@ def sizes(comm) -> list[int]:
     return [_shm.MIN_BYTES, _shm.MIN_BYTES + 8 * 3, chunk - 16, chunk + 40, 3 * chunk + 1000]
 
 
+def reduced_and_expected(comm, dtype, seed: int):
+    """An all_reduce of 2 x MIN_BYTES on COMM: (the result, the rank-order sum)."""
+    xs = inputs(dtype, elements(dtype, 2 * _shm.MIN_BYTES), comm.size, seed=seed)
+    t = xs[comm.rank].clone()
+    hpcddp.all_reduce(t, group=comm)
+    return t, in_rank_order(xs)
+
+
 def assert_same_everywhere(comm, t: torch.Tensor) -> None:
     """Every rank ends with the same bits (compared through a byte-wise allgather)."""
     b = t.view(torch.uint8).numpy()
@@ -164,11 +172,8 @@ def test_a_rank_that_cannot_map_sends_everyone_to_mpi(world, monkeypatch):
         monkeypatch.setattr(_shm.mmap, "mmap", refuse)
     assert _shm.arena(comm) is None
     monkeypatch.undo()
-    numel = elements(torch.float32, 2 * _shm.MIN_BYTES)
-    xs = inputs(torch.float32, numel, world.size, seed=4)
-    t = xs[comm.rank].clone()
-    hpcddp.all_reduce(t, group=comm)
-    assert torch.allclose(t, in_rank_order(xs), rtol=1e-6, atol=1e-6)
+    t, want = reduced_and_expected(comm, torch.float32, seed=4)
+    assert torch.allclose(t, want, rtol=1e-6, atol=1e-6)
 
 
 def test_no_shm_dir_falls_back(world, monkeypatch):
@@ -176,11 +181,8 @@ def test_no_shm_dir_falls_back(world, monkeypatch):
     comm = hpcddp.Communicator(world.mpi.Dup(), "shm-no-dir")
     assert _shm.arena(comm) is None
     monkeypatch.undo()
-    numel = elements(torch.int32, 2 * _shm.MIN_BYTES)
-    xs = inputs(torch.int32, numel, world.size, seed=5)
-    t = xs[comm.rank].clone()
-    hpcddp.all_reduce(t, group=comm)
-    assert torch.equal(t, in_rank_order(xs))
+    t, want = reduced_and_expected(comm, torch.int32, seed=5)
+    assert torch.equal(t, want)
 
 
 def test_arena_file_is_gone(world):
@@ -202,8 +204,5 @@ def test_probe_decides_the_same_everywhere(world, monkeypatch):
     a = _shm.arena(comm)
     chose = comm.mpi.allgather(a is not None)
     assert len(set(chose)) == 1, f"ranks chose differently: {chose}"
-    numel = elements(torch.float32, 2 * _shm.MIN_BYTES)
-    xs = inputs(torch.float32, numel, world.size, seed=6)
-    t = xs[comm.rank].clone()
-    hpcddp.all_reduce(t, group=comm)
-    assert torch.allclose(t, in_rank_order(xs), rtol=1e-6, atol=1e-6)
+    t, want = reduced_and_expected(comm, torch.float32, seed=6)
+    assert torch.allclose(t, want, rtol=1e-6, atol=1e-6)

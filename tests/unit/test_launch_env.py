@@ -442,3 +442,41 @@ def test_detect_under_real_mpirun():
                   if line.startswith("DETECT "))
     assert rows == [["openmpi", 0, 2, 0, 2, "pmix"], ["openmpi", 1, 2, 1, 2, "pmix"]], \
         proc.stdout + proc.stderr
+
+
+def _fake_runs(monkeypatch, results):
+    """run_mpi with mpirun replaced by RESULTS, one (returncode, stderr) per attempt."""
+    import subprocess
+    from hpcddp.launch import mpirun
+    calls = []
+
+    def run_once(cmd, timeout, env, cwd):
+        code, err = results[len(calls)]
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, code, "", err)
+    monkeypatch.setattr(mpirun, "_run_once", run_once)
+    return mpirun, calls
+
+
+def test_run_mpi_retries_a_launcher_that_failed_to_start(monkeypatch):
+    mpirun, calls = _fake_runs(monkeypatch, [
+        (213, "The PMIx server's listener thread failed to start. We cannot\ncontinue."),
+        (0, "")])
+    res = mpirun.run_mpi(2, ["true"], timeout=10)
+    assert res.returncode == 0 and len(calls) == 2
+
+
+def test_run_mpi_does_not_rerun_a_job_that_ran(monkeypatch):
+    """A rank's failure (or a timeout) is the job's result: running it again could hide it."""
+    mpirun, calls = _fake_runs(monkeypatch, [(1, "Traceback ... ValueError"), (0, "")])
+    assert mpirun.run_mpi(2, ["true"], timeout=10).returncode == 1 and len(calls) == 1
+    mpirun, calls = _fake_runs(monkeypatch, [(-9, "run_mpi: killed after 10 s timeout")])
+    assert mpirun.run_mpi(2, ["true"], timeout=10).returncode == -9 and len(calls) == 1
+
+
+def test_run_mpi_gives_up_after_the_retries(monkeypatch):
+    fail = (213, "The PMIx server's listener thread failed to start.")
+    mpirun, calls = _fake_runs(monkeypatch, [fail] * 5)
+    res = mpirun.run_mpi(2, ["true"], timeout=10)
+    assert res.returncode == 213 and len(calls) == 1 + mpirun.LAUNCH_RETRIES
+    assert "the launcher failed to start" in res.stderr
