@@ -59,12 +59,11 @@ ARENA_MAX = 32 << 20      # the whole arena, n x row, whatever the ranks per nod
 SHM_DIR = "/dev/shm"
 KINDS = (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
 
-_arenas: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 PROBE_BYTES = 8 << 20
 # "0": never; "force": always where possible; otherwise where the probe says it is faster
 MODE = os.environ.get("HPCDDP_SHM_ALLREDUCE", "auto").strip().lower()
+
+_arenas: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicator -> Arena|None
 
 
 def usable(comm, nbytes: int, dtype, kind) -> bool:
@@ -128,7 +127,10 @@ class Arena:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 os.posix_fallocate(fd, 0, size)
             except OSError:
-                path = ""
+                if fd >= 0:         # made but no room: leave nothing behind
+                    os.close(fd)
+                    os.unlink(path)
+                path, fd = "", -1
         path = mpi.bcast(path, root=0)
         mem = None
         try:

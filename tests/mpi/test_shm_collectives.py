@@ -206,3 +206,19 @@ def test_probe_decides_the_same_everywhere(world, monkeypatch):
     assert len(set(chose)) == 1, f"ranks chose differently: {chose}"
     t, want = reduced_and_expected(comm, torch.float32, seed=6)
     assert torch.allclose(t, want, rtol=1e-6, atol=1e-6)
+
+
+def test_no_room_leaves_no_file(world, monkeypatch):
+    """/dev/shm too full for the arena: every rank uses MPI and the half-made file is gone."""
+    import glob
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device (test)")
+    monkeypatch.setattr(_shm.os, "posix_fallocate", full)
+    comm = hpcddp.Communicator(world.mpi.Dup(), "shm-full")
+    assert _shm.arena(comm) is None
+    monkeypatch.undo()
+    assert glob.glob(os.path.join(_shm.SHM_DIR, f"hpcddp-{os.getpid()}-*")) == []
+    t, want = reduced_and_expected(comm, torch.float64, seed=7)
+    assert torch.allclose(t, want, rtol=1e-12, atol=1e-12)  # MPI's order of the sum may differ
