@@ -3,8 +3,8 @@
 Why: Open MPI's shared-memory Allreduce moves large buffers at ~2.5 GB/s busbw here (40 MiB,
 2 ranks), a fifth of what the memory can do: its pipeline copies every fragment through the
 sm transport's small buffers and reduces in the receiver's loop. Reducing straight out of a
-shared arena in chunks that stay in cache is 3.4x faster (4.9 vs 16.7 ms at 40 MiB,
-``hpcddp bench comm``; docs/benchmarks.md). DeepSpeed's and oneCCL's CPU all-reduces do the
+shared arena in chunks that stay in cache takes 0.27x MPI's time at 64 MiB and 0.54x at
+16 MiB (docs/benchmarks/comm-arena.json; docs/benchmarks.md, "The shared-memory arena"). DeepSpeed's and oneCCL's CPU all-reduces do the
 same; gloo has no shared memory at all.
 
 How, per chunk of the tensor (a chunk = n slices, one per rank; the arena holds one row of
@@ -34,8 +34,8 @@ Measured, not assumed: a new arena races MPI's Allreduce on a PROBE_BYTES scratc
 (best of 3 each, the slowest rank's time; ~10 ms once per group) and is kept only if it wins.
 On this 2-vCPU VM about one job in seven starts in a state where writes into the shared pages
 run 4x slower (the arena then measures 2 GB/s against MPI's 3.5); the probe sends those jobs
-to MPI. ``HPCDDP_SHM_ALLREDUCE=0`` turns the arena off, ``force`` skips the probe (tests);
-set it alike on every rank.
+to MPI. ``HPCDDP_SHM_ALLREDUCE=0`` turns the arena off, ``force`` skips the probe (tests),
+``auto`` or ``1`` is the default; set it alike on every rank.
 """
 from __future__ import annotations
 
@@ -60,8 +60,22 @@ SHM_DIR = "/dev/shm"
 KINDS = (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
 
 PROBE_BYTES = 8 << 20
-# "0": never; "force": always where possible; otherwise where the probe says it is faster
-MODE = os.environ.get("HPCDDP_SHM_ALLREDUCE", "auto").strip().lower()
+ENV_MODE = "HPCDDP_SHM_ALLREDUCE"
+MODES = ("0", "auto", "force")
+
+
+def read_mode(env=os.environ) -> str:
+    """ENV_MODE: "0" never; "force" wherever possible; "auto" (unset, or "1") where the probe
+    measures the arena faster. Anything else is refused here, at import, before any message:
+    a typo must not silently leave the arena on (or off) on some ranks."""
+    raw = env.get(ENV_MODE, "auto").strip().lower() or "auto"
+    mode = "auto" if raw == "1" else raw
+    if mode not in MODES:
+        raise ValueError(f"{ENV_MODE}={env.get(ENV_MODE)!r}: expected 0, 1, auto or force")
+    return mode
+
+
+MODE = read_mode()
 
 _arenas: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicator -> Arena|None
 

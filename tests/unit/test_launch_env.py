@@ -480,3 +480,17 @@ def test_run_mpi_gives_up_after_the_retries(monkeypatch):
     res = mpirun.run_mpi(2, ["true"], timeout=10)
     assert res.returncode == 213 and len(calls) == 1 + mpirun.LAUNCH_RETRIES
     assert "the launcher failed to start" in res.stderr
+
+
+@pytest.mark.parametrize("raw,mode", [(None, "auto"), ("", "auto"), ("1", "auto"),
+                                      ("AUTO", "auto"), ("0", "0"), (" force ", "force")])
+def test_shm_mode_reads_the_environment(raw, mode):
+    from hpcddp.collectives import _shm
+    env = {} if raw is None else {_shm.ENV_MODE: raw}
+    assert _shm.read_mode(env) == mode
+
+
+def test_shm_mode_refuses_a_typo():
+    from hpcddp.collectives import _shm
+    with pytest.raises(ValueError, match=r"HPCDDP_SHM_ALLREDUCE='off': expected 0, 1, auto or force"):
+        _shm.read_mode({_shm.ENV_MODE: "off"})
