@@ -39,15 +39,14 @@ to MPI. ``HPCDDP_SHM_ALLREDUCE=0`` turns the arena off, ``force`` skips the prob
 """
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import secrets
-import time
 import weakref
 
 import torch
 
+from hpcddp.collectives import _node
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.ops import RedOpType
 
@@ -61,21 +60,7 @@ KINDS = (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
 
 PROBE_BYTES = 8 << 20
 ENV_MODE = "HPCDDP_SHM_ALLREDUCE"
-MODES = ("0", "auto", "force")
-
-
-def read_mode(env=os.environ) -> str:
-    """ENV_MODE: "0" never; "force" wherever possible; "auto" (unset, or "1") where the probe
-    measures the arena faster. Anything else is refused here, at import, before any message:
-    a typo must not silently leave the arena on (or off) on some ranks."""
-    raw = env.get(ENV_MODE, "auto").strip().lower() or "auto"
-    mode = "auto" if raw == "1" else raw
-    if mode not in MODES:
-        raise ValueError(f"{ENV_MODE}={env.get(ENV_MODE)!r}: expected 0, 1, auto or force")
-    return mode
-
-
-MODE = read_mode()
+MODE = _node.read_mode(ENV_MODE)
 
 _arenas: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicator -> Arena|None
 
@@ -111,24 +96,14 @@ class Arena:
         mpi = self.comm.mpi
         scratch = torch.zeros(PROBE_BYTES // 4)
         arr = scratch.numpy()
-        best = [math.inf, math.inf]
-        for _ in range(3):
-            for i, op in enumerate((lambda: self.all_reduce(scratch),
-                                    lambda: mpi.Allreduce(MPI.IN_PLACE, arr, MPI.SUM))):
-                mpi.Barrier()
-                t = time.perf_counter()
-                op()
-                best[i] = min(best[i], time.perf_counter() - t)
-        self.probe = tuple(mpi.allreduce(t, op=MPI.MAX) for t in best)
+        self.probe = _node.race(self.comm, lambda: self.all_reduce(scratch),
+                                lambda: mpi.Allreduce(MPI.IN_PLACE, arr, MPI.SUM))
         return self.probe[0] < self.probe[1]
 
     @classmethod
     def make(cls, comm):
         mpi = comm.mpi
-        node = mpi.Split_type(MPI.COMM_TYPE_SHARED)
-        one_node = node.Get_size() == comm.size  # the same on every rank
-        node.Free()
-        if not one_node:
+        if not _node.one_node(comm):
             return None
         n = comm.size
         row = max(64 << 10, min(ROW_BYTES, ARENA_MAX // n))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from hpcddp.collectives import _cma
 from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
 from hpcddp.collectives._common import (CompletedWork, as_array, check_list, finish_or_work,
@@ -28,6 +29,10 @@ def broadcast(tensor, src, group=None, async_op=False):
     except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
         return _device.broadcast(tensor, src, comm, async_op)
     entry = record(comm, "broadcast", tensor.shape, tensor.dtype, src)
+    if _cma.usable(comm, arr.nbytes):  # ranks of one node: the copy split between them
+        _cma.peers(comm).broadcast(arr, src)
+        record_end(entry)
+        return CompletedWork([tensor]) if async_op else None
     # The blocking MPI call, with or without async_op: MPI never matches a blocking collective
     # on one rank with a non-blocking one on another, and torch code mixes them for one
     # broadcast. async_op: a completed Work (reduce.all_reduce says more).

@@ -482,15 +482,17 @@ def test_run_mpi_gives_up_after_the_retries(monkeypatch):
     assert "the launcher failed to start" in res.stderr
 
 
+@pytest.mark.parametrize("var", ["HPCDDP_SHM_ALLREDUCE", "HPCDDP_CMA"])
 @pytest.mark.parametrize("raw,mode", [(None, "auto"), ("", "auto"), ("1", "auto"),
                                       ("AUTO", "auto"), ("0", "0"), (" force ", "force")])
-def test_shm_mode_reads_the_environment(raw, mode):
-    from hpcddp.collectives import _shm
-    env = {} if raw is None else {_shm.ENV_MODE: raw}
-    assert _shm.read_mode(env) == mode
+def test_node_path_switch_reads_the_environment(var, raw, mode):
+    from hpcddp.collectives import _node
+    env = {} if raw is None else {var: raw}
+    assert _node.read_mode(var, env) == mode
 
 
-def test_shm_mode_refuses_a_typo():
-    from hpcddp.collectives import _shm
-    with pytest.raises(ValueError, match=r"HPCDDP_SHM_ALLREDUCE='off': expected 0, 1, auto or force"):
-        _shm.read_mode({_shm.ENV_MODE: "off"})
+def test_node_path_switches_refuse_a_typo():
+    from hpcddp.collectives import _cma, _node, _shm
+    for var in (_shm.ENV_MODE, _cma.ENV_MODE):
+        with pytest.raises(ValueError, match=rf"{var}='off': expected 0, 1, auto or force"):
+            _node.read_mode(var, {var: "off"})

@@ -1,0 +1,172 @@
+"""Large broadcasts among ranks of one node by cross-memory attach (Linux process_vm_readv and
+process_vm_writev: the kernel copies straight between two processes' memory).
+
+Why: MPI's broadcast of a large buffer between ranks of one node is one copy made by each
+receiver (Open MPI's sm transport reads the root's pages through the same syscall, its smsc/cma
+component), so with two ranks one core copies while the root's core waits: the op can go no
+faster than one core's memcpy. Here the root and the receivers split the copy. The payload is
+cut into n parts; the root writes part i into receiver i's tensor while receiver i reads every
+other part out of the root's tensor, so every core copies (n-1)/n of the payload at once:
+2 ranks take ~0.5-0.6x MPI's Bcast from 4 MiB (docs/benchmarks.md, "Cross-memory attach").
+
+Per call (the tensor itself is the buffer on both sides: no staging copy)::
+
+    1. Allgather (address, bytes) of every rank's tensor         (16 bytes per rank)
+    2. the copies: root -> part i of receiver i; receiver r <- parts j != r of the root
+    3. Allreduce of "all my copies succeeded"                      (the end of the op)
+
+Step 3 is what makes it safe: the root's tensor stays untouched until every reader is done,
+and a receiver's tensor is complete only once the root's write into it is. If any rank's copy
+failed (the kernel refused: a ptrace policy, a seccomp filter, a peer gone), every rank moves
+the tensor again with MPI's Bcast and the group stops using this path; if the ranks' byte
+counts disagree (a caller's bug), MPI's Bcast runs and reports it as before.
+
+A group gets the path on its first large broadcast (collective): its ranks must share one
+node, each must be able to read a neighbour's memory (checked against a random token, so a
+process id from another PID namespace cannot pass), and a race of PROBE_BYTES broadcasts
+against MPI's Bcast (best of 3, the slowest rank's time) must find it faster.
+``HPCDDP_CMA=0`` turns it off, ``force`` skips the race (tests), ``auto`` or ``1`` is the
+default; set it alike on every rank.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import weakref
+
+import numpy as np
+
+from hpcddp.collectives import _node
+from hpcddp.comm._mpi import MPI
+
+# 1 MiB: 0.06 ms against MPI's 0.08 (2 ranks); below it the two fixed costs are level
+MIN_BYTES = 1 << 20
+PROBE_BYTES = 8 << 20
+ENV_MODE = "HPCDDP_CMA"
+MODE = _node.read_mode(ENV_MODE)
+ALIGN = 64           # parts start on cache lines: no line is written by two copies at once
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _syscalls():
+    """(process_vm_readv, process_vm_writev) from the C library; (None, None) where it has none
+    (not Linux, a libc older than 2.15)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fns = libc.process_vm_readv, libc.process_vm_writev
+    except (OSError, AttributeError):
+        return None, None
+    for f in fns:
+        f.restype = ctypes.c_ssize_t
+        f.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong,
+                      ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.c_ulong]
+    return fns
+
+
+READV, WRITEV = _syscalls()
+
+
+def copy(fn, pid: int, local: int, remote: int, nbytes: int) -> bool:
+    """Move NBYTES between address LOCAL of this process and address REMOTE of process PID:
+    FN is READV (remote -> local) or WRITEV (local -> remote). False if the kernel refuses
+    (EPERM: a ptrace policy; ESRCH: the peer is gone; EFAULT: a bad address)."""
+    done = 0
+    while done < nbytes:  # the kernel may move less than asked (a fault part way): go on
+        here = _IOVec(local + done, nbytes - done)
+        there = _IOVec(remote + done, nbytes - done)
+        got = fn(pid, ctypes.byref(here), 1, ctypes.byref(there), 1, 0)
+        if got <= 0:
+            return False
+        done += got
+    return True
+
+
+_peers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicator -> Peers|None
+
+
+def usable(comm, nbytes: int) -> bool:
+    """Whether a broadcast of NBYTES on COMM should take this path (the same answer on every
+    rank: a collective's arguments agree across ranks)."""
+    return MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and peers(comm) is not None
+
+
+def peers(comm):
+    """COMM's Peers, made on first use (collective: every rank of COMM), or None when the path
+    is not open to it (several nodes, the kernel refuses, or MPI measured faster)."""
+    try:
+        return _peers[comm]
+    except KeyError:
+        pass
+    p = _peers[comm] = Peers.make(comm)
+    return p
+
+
+class Peers:
+    def __init__(self, comm, pids: list[int]):
+        self.comm = comm
+        self.pids = pids
+        self.mine = np.zeros(2, np.int64)                 # (address, bytes) of this rank
+        self.table = np.zeros((comm.size, 2), np.int64)   # ... of every rank
+        self.ok = np.ones(1, np.int32)
+        self.probe = None                                 # (this path s, MPI s) when raced
+
+    @classmethod
+    def make(cls, comm):
+        if not _node.one_node(comm):
+            return None
+        mpi = comm.mpi
+        token = np.array([secrets.randbits(62)], np.int64)
+        pids, addrs, tokens = zip(*mpi.allgather((os.getpid(), token.ctypes.data, int(token[0]))))
+        peer = (comm.rank + 1) % comm.size
+        got = np.zeros(1, np.int64)
+        ok = READV is not None and copy(READV, pids[peer], got.ctypes.data, addrs[peer], 8) \
+            and int(got[0]) == tokens[peer]
+        # every rank's token stays alive until all have read theirs: this is the end of it
+        if not mpi.allreduce(bool(ok), op=MPI.LAND):
+            return None
+        p = cls(comm, list(pids))
+        if MODE != "force" and not p.faster_than_mpi():
+            return None
+        return p
+
+    def faster_than_mpi(self) -> bool:
+        """Race this path against MPI's Bcast (collective; the same answer on every rank)."""
+        arr = np.zeros(PROBE_BYTES, np.uint8)
+        mpi = self.comm.mpi
+        self.probe = _node.race(self.comm, lambda: self.broadcast(arr, 0),
+                                lambda: mpi.Bcast(arr, root=0))
+        return self.probe[0] < self.probe[1]
+
+    def broadcast(self, arr: np.ndarray, root: int) -> None:
+        """ARR (contiguous, this rank's tensor's memory) from group rank ROOT to every rank."""
+        comm = self.comm
+        mpi, n, r = comm.mpi, comm.size, comm.rank
+        nbytes = arr.nbytes
+        self.mine[0], self.mine[1] = arr.ctypes.data, nbytes
+        mpi.Allgather(self.mine, self.table)
+        if (self.table[:, 1] != nbytes).any():  # the same table everywhere: all ranks agree
+            mpi.Bcast(arr, root=root)           # sizes differ: MPI reports it, as it always did
+            return
+        cut = [nbytes * j // n // ALIGN * ALIGN for j in range(n)] + [nbytes]
+        src = int(self.table[root, 0])
+        ok = True
+        if r == root:
+            for i in range(n):                  # part i straight into receiver i
+                if i != root and ok:
+                    ok = copy(WRITEV, self.pids[i], src + cut[i], int(self.table[i, 0]) + cut[i],
+                              cut[i + 1] - cut[i])
+        else:
+            dst, pid = int(self.table[r, 0]), self.pids[root]
+            for k in range(1, n):               # start at different parts on different ranks
+                j = (r + k) % n
+                if ok:
+                    ok = copy(READV, pid, dst + cut[j], src + cut[j], cut[j + 1] - cut[j])
+        self.ok[0] = ok
+        mpi.Allreduce(MPI.IN_PLACE, self.ok, MPI.MIN)
+        if not self.ok[0]:
+            _peers[comm] = None                 # every rank saw the failure: all stop alike
+            mpi.Bcast(arr, root=root)

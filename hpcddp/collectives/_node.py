@@ -1,0 +1,44 @@
+"""What hpcddp's node-local fast paths share: the /dev/shm arena (_shm) and cross-memory
+attach (_cma) are used only by groups whose ranks all share one node, each behind its own
+switch, and each only where a race against MPI says it is faster."""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from hpcddp.comm._mpi import MPI
+
+MODES = ("0", "auto", "force")
+
+
+def read_mode(var: str, env=os.environ) -> str:
+    """Environment variable VAR: "0" never; "force" wherever possible (tests); "auto" (unset,
+    or "1") where the race against MPI says so. Anything else is refused, at import, before
+    any message: a typo must not silently leave a path on (or off) on some ranks."""
+    raw = env.get(var, "auto").strip().lower() or "auto"
+    mode = "auto" if raw == "1" else raw
+    if mode not in MODES:
+        raise ValueError(f"{var}={env.get(var)!r}: expected 0, 1, auto or force")
+    return mode
+
+
+def one_node(comm) -> bool:
+    """Whether every rank of COMM runs on this node (collective; the same answer everywhere)."""
+    node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+    same = node.Get_size() == comm.size
+    node.Free()
+    return same
+
+
+def race(comm, ours, mpis, tries: int = 3) -> tuple[float, float]:
+    """(seconds of OURS, seconds of MPIS): the best of TRIES interleaved runs of each, as the
+    slowest rank saw it (collective: every rank gets the same pair, so decides alike)."""
+    best = [math.inf, math.inf]
+    for _ in range(tries):
+        for i, op in enumerate((ours, mpis)):
+            comm.mpi.Barrier()
+            t = time.perf_counter()
+            op()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return tuple(comm.mpi.allreduce(t, op=MPI.MAX) for t in best)
