@@ -454,9 +454,11 @@ def run(ops=OPS, sizes=None, impls=IMPLS, rounds: int = 7, batch_s: float = 2e-3
             del cell, fns
             gc.collect()
     load = meter.stop()
+    from hpcddp.collectives import _node  # what the node-local paths' races chose (setup)
     if ctx.rank != 0:
         return None
     return {"kind": "hpcddp-bench-comm", "version": 1, "setup": setup, "load": load,
+            "node_paths": list(_node.decisions),
             "config": {"ops": list(ops), "sizes": sizes, "impls": list(impls),
                        "rounds": rounds, "discarded_rounds": 1, "batch_ms": batch_s * 1e3,
                        "dtype": "float32", "reduce_op": "SUM", "ranks": ctx.n},

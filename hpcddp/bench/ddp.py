@@ -152,9 +152,11 @@ def run(models=("10M", "50M"), batch: int = 32, steps: int | None = None, rounds
         del trainers, copies, fns, base
         gc.collect()
     load = meter.stop()
+    from hpcddp.collectives import _node  # what the node-local paths' races chose (setup)
     if ctx.rank != 0:
         return None
     result = {"kind": "hpcddp-bench-ddp", "version": 1, "setup": setup, "load": load,
+              "node_paths": list(_node.decisions),
               "config": {"models": list(models), "batch_per_rank": batch, "rounds": rounds,
                          "discarded_rounds": 1, "bucket_cap_mb": bucket_mb, "seed": seed,
                          "optimizer": "SGD lr=0.01", "ranks": ctx.n,

@@ -173,6 +173,10 @@ def setup_lines(result: dict) -> list[str]:
                      f"{load.get('loadavg_after')} after; other processes used "
                      f"{load.get('other_processes_cpu_pct')} % of the machine's CPU during the "
                      f"run (steal {load.get('steal_pct')} %), {load.get('wall_s')} s")
+    for d in result.get("node_paths", []):  # hpcddp.collectives._node's races, rank 0's view
+        lines.append(f"node path {d['path']} on {d['group']} ({d['ranks']} ranks): "
+                     f"{d['ours_s'] * 1e3:.2f} ms vs MPI {d['mpi_s'] * 1e3:.2f} ms -> "
+                     f"{'kept' if d['kept'] else 'MPI kept'}")
     return lines
 
 

@@ -10,6 +10,9 @@ import time
 from hpcddp.comm._mpi import MPI
 
 MODES = ("0", "auto", "force")
+# What each group's race decided, in order: {"path", "group", "ours_s", "mpi_s", "kept"}.
+# Benchmarks report it (a job where MPI won runs at MPI's speed: that must show).
+decisions: list[dict] = []
 
 
 def read_mode(var: str, env=os.environ) -> str:
@@ -31,9 +34,10 @@ def one_node(comm) -> bool:
     return same
 
 
-def race(comm, ours, mpis, tries: int = 3) -> tuple[float, float]:
-    """(seconds of OURS, seconds of MPIS): the best of TRIES interleaved runs of each, as the
-    slowest rank saw it (collective: every rank gets the same pair, so decides alike)."""
+def race(path: str, comm, ours, mpis, tries: int = 3) -> bool:
+    """Whether OURS beat MPIS: the best of TRIES interleaved runs of each, as the slowest rank
+    saw it (collective: every rank gets the same times, so decides alike). Kept in
+    ``decisions`` under PATH."""
     best = [math.inf, math.inf]
     for _ in range(tries):
         for i, op in enumerate((ours, mpis)):
@@ -41,4 +45,7 @@ def race(comm, ours, mpis, tries: int = 3) -> tuple[float, float]:
             t = time.perf_counter()
             op()
             best[i] = min(best[i], time.perf_counter() - t)
-    return tuple(comm.mpi.allreduce(t, op=MPI.MAX) for t in best)
+    ours_s, mpi_s = (comm.mpi.allreduce(t, op=MPI.MAX) for t in best)
+    decisions.append({"path": path, "group": comm.name, "ranks": comm.size,
+                      "ours_s": ours_s, "mpi_s": mpi_s, "kept": ours_s < mpi_s})
+    return ours_s < mpi_s
