@@ -100,12 +100,7 @@ def usable(comm, nbytes: int) -> bool:
 def peers(comm):
     """COMM's Peers, made on first use (collective: every rank of COMM), or None when the path
     is not open to it (several nodes, the kernel refuses, or MPI measured faster)."""
-    try:
-        return _peers[comm]
-    except KeyError:
-        pass
-    p = _peers[comm] = Peers.make(comm)
-    return p
+    return _node.per_group(_peers, comm, Peers.make)
 
 
 class Peers:
@@ -145,7 +140,7 @@ class Peers:
     def broadcast(self, arr: np.ndarray, root: int) -> None:
         """ARR (contiguous, this rank's tensor's memory) from group rank ROOT to every rank."""
         comm = self.comm
-        mpi, n, r = comm.mpi, comm.size, comm.rank
+        mpi, n = comm.mpi, comm.size
         nbytes = arr.nbytes
         self.mine[0], self.mine[1] = arr.ctypes.data, nbytes
         mpi.Allgather(self.mine, self.table)
@@ -153,21 +148,24 @@ class Peers:
             mpi.Bcast(arr, root=root)           # sizes differ: MPI reports it, as it always did
             return
         cut = [nbytes * j // n // ALIGN * ALIGN for j in range(n)] + [nbytes]
-        src = int(self.table[root, 0])
-        ok = True
-        if r == root:
-            for i in range(n):                  # part i straight into receiver i
-                if i != root and ok:
-                    ok = copy(WRITEV, self.pids[i], src + cut[i], int(self.table[i, 0]) + cut[i],
-                              cut[i + 1] - cut[i])
-        else:
-            dst, pid = int(self.table[r, 0]), self.pids[root]
-            for k in range(1, n):               # start at different parts on different ranks
-                j = (r + k) % n
-                if ok:
-                    ok = copy(READV, pid, dst + cut[j], src + cut[j], cut[j + 1] - cut[j])
+        try:
+            ok = self._copy_parts(root, cut)
+        except Exception:   # never leave the op early: the peers wait in the Allreduce below
+            ok = False
         self.ok[0] = ok
         mpi.Allreduce(MPI.IN_PLACE, self.ok, MPI.MIN)
         if not self.ok[0]:
             _peers[comm] = None                 # every rank saw the failure: all stop alike
             mpi.Bcast(arr, root=root)
+
+    def _copy_parts(self, root: int, cut: list) -> bool:
+        """This rank's share of the copies (root: part i into receiver i; receiver r: every
+        part j != r out of the root). False at the first the kernel refuses."""
+        n, r, table = self.comm.size, self.comm.rank, self.table
+        src = int(table[root, 0])
+        if r == root:
+            return all(copy(WRITEV, self.pids[i], src + cut[i], int(table[i, 0]) + cut[i],
+                            cut[i + 1] - cut[i]) for i in range(n) if i != root)
+        dst, pid = int(table[r, 0]), self.pids[root]
+        return all(copy(READV, pid, dst + cut[j], src + cut[j], cut[j + 1] - cut[j])
+                   for j in ((r + k) % n for k in range(1, n)))  # ranks start on different parts

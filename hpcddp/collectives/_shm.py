@@ -75,12 +75,7 @@ def usable(comm, nbytes: int, dtype, kind) -> bool:
 def arena(comm):
     """COMM's arena, made on first use (collective: every rank of COMM), or None if it cannot
     have one (ranks on several nodes, no /dev/shm, no room) or MPI measured faster."""
-    try:
-        return _arenas[comm]
-    except KeyError:
-        pass
-    a = _arenas[comm] = Arena.make(comm)
-    return a
+    return _node.per_group(_arenas, comm, Arena.make)
 
 
 class Arena:

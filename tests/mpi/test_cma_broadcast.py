@@ -116,13 +116,23 @@ def test_small_broadcasts_stay_with_mpi(world, monkeypatch):
     broadcast_and_check(world, torch.float32, _cma.MIN_BYTES - 4, 0, seed=4)
 
 
-def test_a_failed_copy_sends_everyone_to_mpi(world, monkeypatch):
-    """One rank's kernel refuses a copy mid-op: the op still completes right on every rank
-    (MPI moves it again) and the group stops using the path, on every rank alike."""
+def refused(*a):
+    return False
+
+
+def broken(*a):
+    raise OSError(14, "Bad address (test)")
+
+
+@pytest.mark.parametrize("failure", [refused, broken])
+def test_a_failed_copy_sends_everyone_to_mpi(world, monkeypatch, failure):
+    """One rank's copy fails mid-op (the kernel refuses, or it raises): the op still completes
+    right on every rank (MPI moves it again), nobody is left waiting, and the group stops
+    using the path on every rank alike."""
     comm = hpcddp.Communicator(world.mpi.Dup(), "cma-refused")
     assert _cma.peers(comm) is not None
     if comm.rank == comm.size - 1:
-        monkeypatch.setattr(_cma, "copy", lambda *a: False)
+        monkeypatch.setattr(_cma, "copy", failure)
     broadcast_and_check(comm, torch.int64, 2 * _cma.MIN_BYTES, 0, seed=5)
     monkeypatch.undo()
     assert comm.mpi.allgather(_cma.peers(comm) is None) == [True] * comm.size
