@@ -102,6 +102,22 @@ def test_tables_and_targets():
     assert "targets:" in report.targets_text(targets)
 
 
+def test_setup_says_what_each_node_path_race_chose():
+    """A job where MPI won a node-local race runs at MPI's speed: its setup lines must say so."""
+    r = report.summarize(_fake_comm())
+    r["node_paths"] = [
+        {"path": "shm arena (all_reduce 8 MiB)", "group": "WORLD", "ranks": 2,
+         "ours_s": 4.22e-3, "mpi_s": 2.21e-3, "kept": False},
+        {"path": "cma (broadcast 24 MiB)", "group": "WORLD", "ranks": 2,
+         "ours_s": 1.33e-3, "mpi_s": 1.83e-3, "kept": True}]
+    lines = report.setup_lines(r)
+    assert "node path shm arena (all_reduce 8 MiB) on WORLD (2 ranks): 4.22 ms vs MPI 2.21 ms " \
+           "-> MPI kept" in lines
+    assert any(x.startswith("node path cma") and x.endswith("-> kept") for x in lines)
+    del r["node_paths"]
+    assert not any(x.startswith("node path") for x in report.setup_lines(r))
+
+
 def test_compare_flags_only_real_regressions(tmp_path):
     old = report.summarize(_fake_comm())
     same, _ = report.compare(report.summarize(_fake_comm()), old)

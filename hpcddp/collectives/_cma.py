@@ -7,7 +7,7 @@ component), so with two ranks one core copies while the root's core waits: the o
 faster than one core's memcpy. Here the root and the receivers split the copy. The payload is
 cut into n parts; the root writes part i into receiver i's tensor while receiver i reads every
 other part out of the root's tensor, so every core copies (n-1)/n of the payload at once:
-2 ranks take ~0.5-0.6x MPI's Bcast from 4 MiB (docs/benchmarks.md, "Cross-memory attach").
+2 ranks take 0.43-0.7x MPI's Bcast's time from 4 MiB (docs/benchmarks.md, "Cross-memory attach").
 
 Per call (the tensor itself is the buffer on both sides: no staging copy)::
 
@@ -120,8 +120,11 @@ class Peers:
         pids, addrs, tokens = zip(*mpi.allgather((os.getpid(), token.ctypes.data, int(token[0]))))
         peer = (comm.rank + 1) % comm.size
         got = np.zeros(1, np.int64)
-        ok = READV is not None and copy(READV, pids[peer], got.ctypes.data, addrs[peer], 8) \
-            and int(got[0]) == tokens[peer]
+        try:  # no rank may leave before the allreduce below: the others would wait there
+            ok = READV is not None and copy(READV, pids[peer], got.ctypes.data, addrs[peer], 8) \
+                and int(got[0]) == tokens[peer]
+        except Exception:
+            ok = False
         # every rank's token stays alive until all have read theirs: this is the end of it
         if not mpi.allreduce(bool(ok), op=MPI.LAND):
             return None
