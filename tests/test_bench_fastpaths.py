@@ -1,8 +1,9 @@
 """The speed paths `hpcddp bench` led to, checked for correctness in a real 2- and 3-rank job:
 
-- all_reduce plans (hpcddp.collectives._plans): a plan must never outlive what it describes
-  (tensor resized, memory swapped, another group, another op, a dead tensor whose id is
-  reused, async and blocking, direct API and torch.distributed on the same tensor);
+- all_reduce plans (hpcddp.collectives._plans), with the C hit and the Python one: a plan must
+  never outlive what it describes (tensor resized, memory swapped, another group, a freed
+  group, another op, a dead tensor whose id is reused, async and blocking, direct API and
+  torch.distributed on the same tensor), and a hit is recorded like any op;
 - zero-copy list forms (hpcddp.collectives._lists): all_gather, all_to_all, reduce_scatter
   on separate tensors, views of one buffer, an output that is the input, async, AVG, and
   an op that falls back to the flat path (MAX).
@@ -17,7 +18,11 @@ import pytest
 from hpcddp.launch.mpirun import run_mpi
 
 SCRIPT = textwrap.dedent(r'''
-    import torch, torch.distributed as dist, hpcddp
+    import os, torch, torch.distributed as dist, hpcddp
+    from hpcddp.collectives import _plans
+    from hpcddp.collectives._common import resolve
+    from hpcddp.diagnostics import recorder as REC
+    EXPECT_KIND = os.environ["EXPECT_KIND"]
     torch.set_num_threads(1)
     hpcddp.init(abort_on_exception=True)
     hpcddp.init_process_group()
@@ -38,6 +43,9 @@ SCRIPT = textwrap.dedent(r'''
         hpcddp.all_reduce(t); same(t, want, f"direct #{i}")
         want = ref_all_reduce(t)
         dist.all_reduce(t); same(t, want, f"dist #{i}")
+        assert id(t) in _plans.plans, "dist.all_reduce made no plan"  # torch's own ReduceOp
+    v = torch.ones(3)
+    dist.all_reduce(v); assert id(v) in _plans.plans, "dist.all_reduce alone made no plan"
     want = ref_all_reduce(t, MAX)
     hpcddp.all_reduce(t, op=MAX); same(t, want, "MAX after SUM plan")
     want = ref_all_reduce(t, MAX)
@@ -66,6 +74,24 @@ SCRIPT = textwrap.dedent(r'''
         hpcddp.all_reduce(u, group=sub); same(u, want, "direct with the sub process group")
     want = ref_all_reduce(u)
     hpcddp.all_reduce(u); same(u, want, "world after sub")
+    if r in (0, 1):                           # a planned group, then freed: an error, not MPI
+        c = sub.hpcddp_comm                   # on a freed handle
+        v = torch.ones(2); hpcddp.all_reduce(v, group=c); hpcddp.all_reduce(v, group=c)
+        c.free()
+        try:
+            hpcddp.all_reduce(v, group=c)
+        except ValueError as e:
+            assert "destroyed" in str(e), e
+        else:
+            raise AssertionError("all_reduce ran on a freed group")
+    world = resolve(None, "test")             # a plan hit is recorded like any op
+    y = torch.ones(5); hpcddp.all_reduce(y)
+    last = lambda: max((e for e in REC.RECORDER.buf if e is not None and e[2] is world),
+                       key=lambda e: e[0])
+    e0 = last(); hpcddp.all_reduce(y); e1 = last()
+    assert e1 is not e0 and e1[:6] == [e0[0] + 1, "all_reduce", world, y.shape, y.dtype, None] \
+        and e1[7] != 0.0 and world.seq == e1[0], (e0, e1)
+    assert _plans.KIND == EXPECT_KIND, (_plans.KIND, EXPECT_KIND)
     for i in range(200):                      # ids of dead tensors get reused
         x = torch.full((7,), float(r + i))
         want = ref_all_reduce(x)
@@ -131,11 +157,14 @@ SCRIPT = textwrap.dedent(r'''
 ''')
 
 
+# the plan hit in C (built by setup.py: `force` fails the job if it was not) and in Python
+@pytest.mark.parametrize("fastpath,kind", [("force", "C"), ("0", "Python (HPCDDP_FASTPATH=0)")])
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_fast_paths_match_gloo(nprocs, tmp_path):
+def test_fast_paths_match_gloo(nprocs, fastpath, kind, tmp_path):
     script = tmp_path / "fastpaths.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HPCDDP_FASTPATH=fastpath,
+               EXPECT_KIND=kind)
     res = run_mpi(nprocs, [sys.executable, str(script)], timeout=400, env=env)
     assert res.returncode == 0 and "FASTPATHS OK" in res.stdout, \
         f"exit {res.returncode}\n{res.stdout[-5000:]}\n{res.stderr[-5000:]}"

@@ -160,6 +160,7 @@ def describe(ctl, world_size: int, extra: dict | None = None) -> dict:
     import mpi4py
     import numpy
     import torch
+    from hpcddp.collectives import _plans
     rt = runtime()
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     per_rank = ctl.gather({"host": socket.gethostname(), "affinity": affinity}, root=0)
@@ -185,6 +186,7 @@ def describe(ctl, world_size: int, extra: dict | None = None) -> dict:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "torch_threads": torch.get_num_threads(),
         "hpcddp_commit": git_commit(),
+        "all_reduce_hit": _plans.KIND,
         "gloo_transport": "tcp (no shared-memory transport exists in gloo)",
     }
     if per_rank is not None:

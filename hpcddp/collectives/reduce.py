@@ -12,7 +12,7 @@ import torch.distributed as dist
 from hpcddp.collectives import _large
 from hpcddp.collectives import _shm
 from hpcddp.collectives import _lists
-from hpcddp.collectives._plans import make_plan, plans as _plans
+from hpcddp.collectives._plans import hit as _plan_hit, make_plan
 from hpcddp.collectives._common import (IN_PLACE, CompletedWork, as_array, check_list,
                                         finish_or_work, post_reduce, pre_reduce, record,
                                         record_end, reduce_op, resolve, same_spec)
@@ -27,14 +27,9 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
 
     Rank r holds x_r before; every rank holds op(x_0, ..., x_{n-1}) after.
     """
-    # hot path: SUM on a tensor reduced before (hpcddp.collectives._plans)
-    plan = _plans.get(id(tensor))
-    if plan is not None and (op is SUM or op == SUM) and (plan[2] is group or plan[3] is group) \
-            and plan[0]() is tensor and plan[1] == tensor.data_ptr() \
-            and plan[4] == tensor.numel() and plan[3].mpi is plan[5]:
-        entry = record(plan[3], "all_reduce", plan[6], plan[7])
-        plan[5].Allreduce(IN_PLACE, plan[8], plan[9])  # blocking whatever async_op: see below
-        record_end(entry)
+    # hot path: SUM on a tensor reduced before (hpcddp.collectives._plans). Blocking whatever
+    # async_op: see below.
+    if (op is SUM or op == SUM) and _plan_hit(tensor, group):
         return None if not async_op else CompletedWork([tensor])
     comm = resolve(group, "all_reduce")
     try:
@@ -49,10 +44,10 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
         post_reduce(tensor, kind, comm.size)
         record_end(entry)
         return CompletedWork([tensor]) if async_op else None
-    if kind is SUM_KIND and not _large.too_big(arr):
+    if kind == SUM_KIND and not _large.too_big(arr):   # == : torch hands out new enum objects
         make_plan(tensor, group, comm, arr, mop)
     entry = record(comm, "all_reduce", tensor.shape, tensor.dtype)
-    if kind is not SUM_KIND:
+    if kind != SUM_KIND:
         pre_reduce(tensor, op, kind)
     # The blocking MPI call, with or without async_op: MPI never matches a blocking collective
     # on one rank with a non-blocking one on another, and torch code mixes them for one
@@ -64,7 +59,7 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
         if not _large.too_big(arr):
             raise
         _large.allreduce_now(comm, arr, mop)
-    if kind is not SUM_KIND:
+    if kind != SUM_KIND:
         post_reduce(tensor, kind, comm.size)
     record_end(entry)
     if not async_op:

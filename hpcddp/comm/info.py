@@ -39,6 +39,7 @@ def collect_info() -> dict | None:
         return None
     launch = rt.launch
     cuda = torch.cuda.is_available()
+    from hpcddp.collectives import _plans
     return {
         "world_size": world.size,
         "nodes": topo.num_nodes,
@@ -50,6 +51,7 @@ def collect_info() -> dict | None:
                 "thread_level_requested": rt.thread_level_requested,
                 "mpi4py": mpi4py.__version__},
         "cuda_aware": _cuda_aware(),
+        "all_reduce_hit": _plans.KIND,    # "C" or "Python (why)": setup.py, docs/install.md
         "torch": torch.__version__,
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if cuda else [],
@@ -70,6 +72,7 @@ def format_info(info: dict) -> str:
         f"MPI        {m['library']}: {m['version']}",
         f"threads    {m['thread_level']} (asked {m['thread_level_requested']}); mpi4py {m['mpi4py']}",
         f"CUDA-aware {info['cuda_aware']}",
+        f"all_reduce repeat calls in {info['all_reduce_hit']}",
         f"torch      {info['torch']}; CUDA devices: "
         f"{', '.join(info['cuda_devices']) if info['cuda_devices'] else 'none'}",
         f"data       h5py {info['h5py']}, lmdb {info['lmdb']}; python {info['python']}",

@@ -12,7 +12,13 @@ versions of the op's ``record``:
 - ``on``: the flight recorder (the default);
 - ``detail``: the recorder plus the cross-rank mismatch check (HPCDDP_DEBUG=detail);
 - ``off2``: ``off`` again: an A/A comparison, what a change that costs nothing measures as
-  on this machine (the noise floor of the ``on / off`` column).
+  on this machine (the noise floor of the ``on / off`` column);
+- ``shipped``: what a job runs by default: the recorder, and for a tensor reduced before the
+  C plan hit where it is built (hpcddp.collectives._plans), which records in C.
+
+The first four run the Python plan hit (``_plans.hit_py``) with their ``record``, so ``on / off``
+is the recorder's cost in Python; ``shipped / off`` is what the default costs over a Python
+path that records nothing.
 
 Each round runs one short batch (~2 ms) of every mode, in an order that rotates; the table
 gives the median time per op of each mode and the median of the per-round paired ratios (on a
@@ -53,9 +59,10 @@ def run(sizes, rounds: int = 101, batch_time: float = 0.002, api: str = "direct"
 
     import hpcddp
     red = importlib.import_module("hpcddp.collectives.reduce")  # the module, not the function
+    from hpcddp.collectives import _plans
     from hpcddp.diagnostics import mismatch, recorder
     world = hpcddp.init().world
-    saved = (red.record, red.record_end)
+    saved = (red.record, red.record_end, red._plan_hit)
     if api == "dist":
         import torch.distributed as dist
         hpcddp.init_process_group()
@@ -66,12 +73,15 @@ def run(sizes, rounds: int = 101, batch_time: float = 0.002, api: str = "direct"
     def nothing(*a, **k):
         return None
     # "off2" is "off" again (an A/A test): its ratio to "off" is the noise floor
-    modes = {"off": (nothing, nothing), "off2": (nothing, nothing),
-             "on": (recorder.start, recorder.end),
-             "detail": (mismatch.checked_start, recorder.end)}
+    py = _plans.hit_py
+    modes = {"off": (nothing, nothing, py), "off2": (nothing, nothing, py),
+             "on": (recorder.start, recorder.end, py),
+             "detail": (mismatch.checked_start, recorder.end, py),
+             "shipped": (saved[0], saved[1], _plans.hit)}
 
     def batch(mode, t, iters) -> float:
-        red.record, red.record_end = modes[mode]
+        red.record, red.record_end, red._plan_hit = modes[mode]
+        _plans.record, _plans.record_end = modes[mode][:2]   # what hit_py records with
         hpcddp.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -99,12 +109,15 @@ def run(sizes, rounds: int = 101, batch_time: float = 0.002, api: str = "direct"
                 det_on.append(got["detail"] / got["on"])
             r = {m: statistics.median(v) for m, v in times.items()}
             r.update(iters=iters, on_over_off=statistics.median(on_off),
+                     shipped_over_off=statistics.median(
+                         [a / b for a, b in zip(times["shipped"], times["off"])]),
                      off2_over_off=statistics.median(noise),
                      detail_over_on=statistics.median(det_on))
             results[nbytes] = r
     finally:
-        red.record, red.record_end = saved
-    return {"ranks": world.size, "rounds": rounds, "api": api,
+        red.record, red.record_end, red._plan_hit = saved
+        _plans.record, _plans.record_end = saved[:2]
+    return {"ranks": world.size, "rounds": rounds, "api": api, "plan_hit": _plans.KIND,
             "recorder_cost_s": _recorder_cost(),
             "sizes": results}
 
@@ -114,11 +127,12 @@ def _table(res: dict) -> str:
     api = "direct API" if res["api"] == "direct" else "torch.distributed"
     lines = [f"all_reduce (float32, {api}), {res['ranks']} ranks, {res['rounds']} "
              f"interleaved rounds; medians of times and of per-round paired ratios. "
-             f"Recorder start+end alone: {res['recorder_cost_s'] * us:.2f} us/op",
+             f"Recorder start+end alone: {res['recorder_cost_s'] * us:.2f} us/op. "
+             f"Plan hit shipped here: {res.get('plan_hit', '?')}",
              "",
-             "| size | recording off | on (default) | on / off | A/A: off again / off "
-             "| detail (mismatch check) | detail / on |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "| size | recording off | on | on / off | A/A: off again / off "
+             "| detail (mismatch check) | detail / on | shipped (default) | shipped / off |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n, r in res["sizes"].items():
         size = f"{n} B" if n < 1024 else (f"{n // 1024} KiB" if n < 1 << 20 else
                                           f"{n >> 20} MiB")
@@ -126,7 +140,8 @@ def _table(res: dict) -> str:
                      f"{(r['on_over_off'] - 1) * 100:+.1f}% | "
                      f"{(r['off2_over_off'] - 1) * 100:+.1f}% | "
                      f"{r['detail'] * us:.2f} us | "
-                     f"{(r['detail_over_on'] - 1) * 100:+.0f}% |")
+                     f"{(r['detail_over_on'] - 1) * 100:+.0f}% | "
+                     f"{r['shipped'] * us:.2f} us | {(r['shipped_over_off'] - 1) * 100:+.1f}% |")
     return "\n".join(lines)
 
 

