@@ -118,6 +118,32 @@ def test_setup_says_what_each_node_path_race_chose():
     assert not any(x.startswith("node path") for x in report.setup_lines(r))
 
 
+DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
+
+
+def test_docs_c_plan_hit_table_is_the_committed_runs():
+    """docs/benchmarks.md's C-plan-hit table quotes comm-fastpath(-off).json: a figure typed in
+    by hand, or a re-run whose JSON was committed without the page, fails here."""
+    page = open(os.path.join(DOCS, "benchmarks.md")).read()
+    rows = {}
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0].startswith(("direct API, ", "`dist.all_reduce`, ")):
+            rows[cells[0]] = [float(c) for c in cells[1:]]
+    for name, key, fmt, run in [
+            ("direct API, C hit (`comm-fastpath.json`)", "direct/mpi4py", "{:.2f}", "comm-fastpath"),
+            ("direct API, `HPCDDP_FASTPATH=0` (`comm-fastpath-off.json`)", "direct/mpi4py",
+             "{:.2f}", "comm-fastpath-off"),
+            ("`dist.all_reduce`, C hit: µs over raw mpi4py", "hpcddp-mpi4py_us", "{:.2f}",
+             "comm-fastpath"),
+            ("`dist.all_reduce`, Python hit: µs over raw mpi4py", "hpcddp-mpi4py_us", "{:.2f}",
+             "comm-fastpath-off")]:
+        with open(os.path.join(DOCS, "benchmarks", run + ".json")) as f:
+            cells = json.load(f)["cells"]
+        want = [float(fmt.format(c["ratios"][key]["median"])) for c in cells]
+        assert rows.get(name) == want, (name, rows.get(name), want)
+
+
 def test_compare_flags_only_real_regressions(tmp_path):
     old = report.summarize(_fake_comm())
     same, _ = report.compare(report.summarize(_fake_comm()), old)

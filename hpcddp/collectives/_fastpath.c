@@ -84,14 +84,15 @@ fail:
     return NULL;
 }
 
+static PyObject *run_plan(PyObject *plan, PyObject *tensor, PyObject *group);
+
 static PyObject *all_reduce_sum(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "all_reduce_sum(tensor, group): expected 2 arguments, "
                      "got %zd", nargs);
         return NULL;
     }
-    PyObject *tensor = args[0], *group = args[1];
-    PyObject *key = PyLong_FromVoidPtr(tensor);   /* id(tensor) */
+    PyObject *key = PyLong_FromVoidPtr(args[0]);   /* id(tensor) */
     if (key == NULL)
         return NULL;
     PyObject *plan = PyDict_GetItemWithError(plans, key);   /* borrowed */
@@ -101,6 +102,15 @@ static PyObject *all_reduce_sum(PyObject *self, PyObject *const *args, Py_ssize_
             return NULL;
         Py_RETURN_FALSE;
     }
+    /* held while we run: data_ptr() and the allocations below may run a finalizer, or let
+       another thread in, that replaces this tensor's plan or clears them all */
+    Py_INCREF(plan);
+    PyObject *done = run_plan(plan, args[0], args[1]);
+    Py_DECREF(plan);
+    return done;
+}
+
+static PyObject *run_plan(PyObject *plan, PyObject *tensor, PyObject *group) {
     if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != P_LEN
             || PyTuple_GET_ITEM(plan, P_HANDLES) == Py_None
             || PyWeakref_GetObject(PyTuple_GET_ITEM(plan, P_REF)) != tensor

@@ -12,7 +12,8 @@ where it was built against the MPI mpi4py runs on, else :func:`hit_py`, the same
 Python. At <= 1 KiB on 2 ranks raw mpi4py takes ~0.85 us; the Python hit adds ~0.8 us (the
 checks ~0.25, the flight-recorder entry ~0.25, the calls), the C hit ~0.1 us
 (``hpcddp bench comm``; docs/benchmarks.md). ``HPCDDP_FASTPATH=0`` keeps the Python hit,
-``force`` refuses to start without the C one (CI: a build that silently fell back must fail).
+``force`` refuses to start without the C one (tests/unit/test_fastpath.py checks the
+development venv has it: a build that silently fell back would leave this path slow).
 """
 from __future__ import annotations
 
