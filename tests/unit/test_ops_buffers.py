@@ -81,3 +81,46 @@ def test_same_spec_names_the_first_difference():
                                           r"expected \[3\]"):
         same_spec([ref, torch.zeros(4)], ref, "gather", "gather_list")
     same_spec([ref, torch.zeros(4)], ref, "all_to_all", "x", same_shape=False)
+
+
+def test_in_place_layout_change_ends_the_cache_hit():
+    # t.t_() and as_strided_() keep the object, its data_ptr and its size: the cached view
+    # (memory in the old order) must not be handed out for a tensor now non-contiguous
+    t = torch.arange(6.).reshape(2, 3)
+    as_array(t)
+    t.t_()
+    with pytest.raises(TensorError, match=r"fn: tensor is not contiguous \(shape \[3, 2\]"):
+        as_array(t, "fn", "tensor")
+    u = torch.zeros(4)
+    as_array(u)
+    u.as_strided_((2, 2), (1, 2))
+    with pytest.raises(TensorError, match="not contiguous"):
+        as_array(u, "fn", "tensor")
+
+
+def test_same_spec_checks_tensors_seen_before_too():
+    # same_spec skips the full check for CPU tensors as_array validated (the list ops' hot
+    # path); what can still change on such a tensor is still refused
+    ref = torch.zeros(3)
+    lst = [torch.zeros(3), torch.zeros(3)]
+    for t in lst:
+        as_array(t)
+    same_spec(lst, ref, "all_gather", "tensor_list")
+    lst[1].data = torch.zeros(3, dtype=torch.float64)   # new memory and dtype: a cache miss
+    with pytest.raises(TensorError, match=r"all_gather: tensor_list\[1\] has dtype "
+                                          r"torch.float64, expected torch.float32"):
+        same_spec(lst, ref, "all_gather", "tensor_list")
+    lst[1] = torch.zeros(3)
+    as_array(lst[1])
+    lst[1].resize_(4)
+    with pytest.raises(TensorError, match=r"tensor_list\[1\] has shape \[4\], expected \[3\]"):
+        same_spec(lst, ref, "all_gather", "tensor_list")
+    lst[1] = torch.zeros(3, 2)
+    as_array(lst[1])
+    lst[1].t_()
+    with pytest.raises(TensorError, match=r"tensor_list\[1\] is not contiguous"):
+        same_spec(lst, ref, "all_gather", "tensor_list", same_shape=False)
+    with pytest.raises(TensorError, match=r"tensor_list\[0\] must be a torch.Tensor, got int"):
+        same_spec([3, lst[0]], ref, "all_gather", "tensor_list")
+    with pytest.raises(TensorError, match=r"tensor_list\[1\] is a meta tensor"):
+        same_spec([lst[0], torch.zeros(3, device="meta")], ref, "all_gather", "tensor_list")
