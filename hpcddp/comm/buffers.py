@@ -131,8 +131,8 @@ def same_spec(tensors, ref: torch.Tensor, fn: str, arg: str, *, same_shape: bool
     ref_dtype, ref_cpu = ref.dtype, ref.is_cpu
     for i, t in enumerate(tensors):
         # a CPU tensor as_array validated before is still valid (same object, memory, size):
-        # list ops pass the same output tensors every step, and these checks were ~1/3 of a
-        # small all_gather's time
+        # list ops pass the same tensors every step, and these checks were 1.2 of a small
+        # all_gather's 9.5 us (2.5 of all_to_all's 14: it checks two lists)
         if not ref_cpu or cached_view(t) is None:
             check_tensor(t, fn, f"{arg}[{i}]")
             if t.device != ref.device:
