@@ -2,9 +2,12 @@
 
 torch calls these methods (old and new names: torch renames them across releases) with
 option objects; each translates the options and calls the op in hpcddp.collectives. Calls
-from Python with ``asyncOp=False`` (``dist.all_reduce(t)``) complete here and return None,
-which torch's wrappers accept, so the blocking path creates no Future and no Work. Everything
-else returns an hpcddp Work (torch's Work subclass) driven by MPI requests.
+from Python with ``asyncOp=False`` (``dist.all_reduce(t)``, ``dist.all_gather(...)``: every
+collective, torch sets it in the options) complete here and return None, which torch's
+wrappers accept, so the blocking path creates no Future and no Work (4-5 us a call saved at
+8 B, 8-18 us at 1 MiB on 2 ranks, measured A/B in one job). Everything else (async_op=True,
+send/recv, callers from C++ such as DDP's reducer, whose options keep torch's default
+asyncOp=True) gets an hpcddp Work (torch's Work subclass) driven by MPI requests.
 """
 from __future__ import annotations
 
@@ -82,14 +85,16 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
         return CompletedWork(list(tensors))
 
     def reduce(self, tensors, opts):
-        return C.reduce(tensors[0], opts.rootRank, opts.reduceOp, self.hpcddp_comm, True)
+        return C.reduce(tensors[0], opts.rootRank, opts.reduceOp, self.hpcddp_comm,
+                        not _blocking(opts))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         return C.reduce_scatter(output_tensors[0], input_tensors[0], opts.reduceOp,
-                                self.hpcddp_comm, True)
+                                self.hpcddp_comm, not _blocking(opts))
 
     def _reduce_scatter_base(self, output, input, opts):
-        return C.reduce_scatter_tensor(output, input, opts.reduceOp, self.hpcddp_comm, True)
+        return C.reduce_scatter_tensor(output, input, opts.reduceOp, self.hpcddp_comm,
+                                       not _blocking(opts))
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -107,10 +112,11 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
                         list(tensors))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        return C.all_gather(output_tensors[0], input_tensors[0], self.hpcddp_comm, True)
+        return C.all_gather(output_tensors[0], input_tensors[0], self.hpcddp_comm,
+                            not _blocking(opts))
 
     def _allgather_base(self, output, input, opts=None):
-        return C.all_gather_into_tensor(output, input, self.hpcddp_comm, True)
+        return C.all_gather_into_tensor(output, input, self.hpcddp_comm, not _blocking(opts))
 
     all_gather_single = _allgather_base
 
@@ -128,24 +134,26 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
 
     def gather(self, output_tensors, input_tensors, opts):
         out = output_tensors[0] if output_tensors else None
-        return C.gather(input_tensors[0], out, opts.rootRank, self.hpcddp_comm, True)
+        return C.gather(input_tensors[0], out, opts.rootRank, self.hpcddp_comm,
+                        not _blocking(opts))
 
     def scatter(self, output_tensors, input_tensors, opts):
         inp = input_tensors[0] if input_tensors else None
-        return C.scatter(output_tensors[0], inp, opts.rootRank, self.hpcddp_comm, True)
+        return C.scatter(output_tensors[0], inp, opts.rootRank, self.hpcddp_comm,
+                         not _blocking(opts))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return C.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                   self.hpcddp_comm, True)
+                                   self.hpcddp_comm, not _blocking(opts))
 
     all_to_all_single = alltoall_base
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        return C.all_to_all(output_tensors, input_tensors, self.hpcddp_comm, True)
+        return C.all_to_all(output_tensors, input_tensors, self.hpcddp_comm, not _blocking(opts))
 
     # -- synchronisation and point-to-point -----------------------------------------------------
     def barrier(self, opts=None):
-        return C.barrier(self.hpcddp_comm, True)
+        return C.barrier(self.hpcddp_comm, not _blocking(opts))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         return C.monitored_barrier(self.hpcddp_comm, timeout, wait_all_ranks)

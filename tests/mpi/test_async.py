@@ -160,6 +160,32 @@ def test_blocking_and_async_mix_across_ranks(world):
         assert t.eq(n ** 8).all(), t
 
 
+def test_blocking_torch_calls_make_no_work(world, monkeypatch):
+    """torch passes async_op in the options: a plain ``dist.<op>(...)`` completes in the
+    backend and hands torch no Work to wait on (a Work and its wait() cost 4-5 us a call:
+    docs/benchmarks.md). async_op=True still gets a Work per op."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    made = []
+    init = W.Work.__init__
+
+    def counting(self, *a, **kw):
+        made.append(type(self).__name__)
+        init(self, *a, **kw)
+    monkeypatch.setattr(W.Work, "__init__", counting)
+    for name, start, want in _ops(n, r):
+        made.clear()
+        work, outs = start(None, False)
+        assert work is None and made == [], f"{name}: a blocking call made {made}"
+        _check(outs, want, f"{name} blocking")
+        work, outs = start(None, True)
+        assert made, f"{name}: async_op=True returned no hpcddp Work"
+        work.wait()
+        _check(outs, want, f"{name} async")
+    made.clear()
+    dist.barrier()
+    assert made == [], f"barrier: a blocking call made {made}"
+
+
 def test_future_values_like_gloo(world):
     """Where gloo's future has a value, ours has the same tensors (all_gather_into_tensor: gloo
     gives the blocks, hpcddp and NCCL the output tensor; gloo's reduce_scatter Works have no
