@@ -5,7 +5,7 @@ import torch
 
 from hpcddp.comm import startup as _rt
 from hpcddp.comm._mpi import MPI
-from hpcddp.comm.buffers import as_array, check_tensor, same_spec  # noqa: F401  (re-export)
+from hpcddp.comm.buffers import as_array, as_arrays, check_tensor, same_spec  # noqa: F401
 from hpcddp.comm.communicator import Communicator
 from hpcddp.comm.ops import RedOpType, mpi_op
 from hpcddp.diagnostics import mismatch as _mismatch, recorder as _rec

@@ -376,14 +376,12 @@ def all_to_all_single(output, input, output_split_sizes, input_split_sizes, comm
     _sync(output)
     inp = _buf(input, fn, "input", ctx, sync=False)
     out = _buf(output, fn, "output", ctx, sync=False)
-    if len(set(sin)) == 1 and len(set(sout)) == 1 and sin[0] * row_in == sout[0] * row_out:
-        comm.mpi.Alltoall(inp, out)
-    else:
-        scounts = [s * row_in for s in sin]
-        rcounts = [s * row_out for s in sout]
-        sdis = [sum(scounts[:i]) for i in range(n)]
-        rdis = [sum(rcounts[:i]) for i in range(n)]
-        comm.mpi.Alltoallv([inp, (scounts, sdis)], [out, (rcounts, rdis)])
+    # Alltoallv whatever the splits, as the host path (alltoall.all_to_all_single says why)
+    scounts = [s * row_in for s in sin]
+    rcounts = [s * row_out for s in sout]
+    sdis = [sum(scounts[:i]) for i in range(n)]
+    rdis = [sum(rcounts[:i]) for i in range(n)]
+    comm.mpi.Alltoallv([inp, (scounts, sdis)], [out, (rcounts, rdis)])
     _c.record_end(entry)
     return _done(async_op, [output])
 

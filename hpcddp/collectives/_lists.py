@@ -46,41 +46,51 @@ def side_comm(comm):
     return side
 
 
-def all_gather(tensor_list, tensor, comm, async_op, entry):
-    """Caller validated: n tensors, tensor's dtype, tensor's element count."""
-    side = side_comm(comm)
-    r, n = comm.rank, comm.size
-    send = as_array(tensor)
+def _exchange(side, r: int, n: int, sends, recvs, async_op: bool):
+    """Block (r+k)%n of SENDS to rank r+k and block (r-k)%n of RECVS from rank r-k, k = 1..n-1.
+
+    Blocking: n-1 Sendrecv steps (the pairwise exchange; ~1.2 us a step cheaper than two
+    requests and a Waitall, measured). async_op: the requests, all posted at once, for a Work.
+    A rank's Sendrecv matches a peer's Isend/Irecv, so blocking and async calls still mix
+    across ranks, which torch code does (Join)."""
+    if not async_op:
+        for k in range(1, n):
+            src, dst = (r - k) % n, (r + k) % n
+            side.Sendrecv(sends[dst], dst, TAG, recvs[src], src, TAG)
+        return []
     reqs = []
     for k in range(1, n):
         src, dst = (r - k) % n, (r + k) % n
-        reqs.append(side.Irecv(as_array(tensor_list[src]), src, TAG))
-        reqs.append(side.Isend(send, dst, TAG))
-    mine = tensor_list[r]
-    if mine.data_ptr() != tensor.data_ptr():
-        np.copyto(as_array(mine), send)   # numpy: ~0.3 us where torch's copy_ costs ~2
+        reqs.append(side.Irecv(recvs[src], src, TAG))
+        reqs.append(side.Isend(sends[dst], dst, TAG))
+    return reqs
+
+
+def all_gather(tensor_list, tensor, views, send, comm, async_op, entry):
+    """Caller validated: n tensors (VIEWS: their as_array views), tensor's dtype, tensor's
+    element count; SEND is tensor's view."""
+    side = side_comm(comm)
+    r, n = comm.rank, comm.size
+    if tensor_list[r].data_ptr() != tensor.data_ptr():
+        np.copyto(views[r], send)   # numpy: ~0.3 us where torch's copy_ costs ~2
+    reqs = _exchange(side, r, n, [send] * n, views, async_op)
     return finish_or_work(async_op, entry, reqs, list(tensor_list))
 
 
-def all_to_all(output_tensor_list, input_tensor_list, comm, async_op, entry):
-    """Caller validated: n tensors in each list, one dtype. Block sizes are the caller's
-    contract with its peers (a mismatch fails in MPI as a truncated message)."""
+def all_to_all(output_tensor_list, input_tensor_list, outs, ins, comm, async_op, entry):
+    """Caller validated: n tensors in each list (OUTS, INS: their views), one dtype. Block
+    sizes are the caller's contract with its peers (a mismatch fails in MPI as a truncated
+    message)."""
     r, n = comm.rank, comm.size
-    biggest = max(t.numel() for t in (*output_tensor_list, *input_tensor_list))
+    biggest = max(a.size for a in (*outs, *ins))
     if biggest > _large.MAX_COUNT:   # one message per block: only a block can be too big
         _large.refuse("all_to_all", "input_tensor_list/output_tensor_list", biggest)
-    out, inp = output_tensor_list[r], input_tensor_list[r]
-    if out.numel() != inp.numel():
-        raise ValueError(f"all_to_all: output_tensor_list[{r}] has {out.numel()} elements but "
-                         f"input_tensor_list[{r}] (this rank's block to itself) has {inp.numel()}")
-    side = side_comm(comm)
-    reqs = []
-    for k in range(1, n):
-        src, dst = (r - k) % n, (r + k) % n
-        reqs.append(side.Irecv(as_array(output_tensor_list[src]), src, TAG))
-        reqs.append(side.Isend(as_array(input_tensor_list[dst]), dst, TAG))
-    if out.data_ptr() != inp.data_ptr():
-        np.copyto(as_array(out), as_array(inp))
+    if outs[r].size != ins[r].size:
+        raise ValueError(f"all_to_all: output_tensor_list[{r}] has {outs[r].size} elements but "
+                         f"input_tensor_list[{r}] (this rank's block to itself) has {ins[r].size}")
+    if output_tensor_list[r].data_ptr() != input_tensor_list[r].data_ptr():
+        np.copyto(outs[r], ins[r])
+    reqs = _exchange(side_comm(comm), r, n, ins, outs, async_op)
     return finish_or_work(async_op, entry, reqs, list(output_tensor_list))
 
 

@@ -11,8 +11,8 @@ import torch
 from hpcddp.collectives import _cma
 from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
-from hpcddp.collectives._common import (CompletedWork, as_array, check_list, finish_or_work,
-                                        record, record_end, resolve, same_spec)
+from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, check_list,
+                                        finish_or_work, record, record_end, resolve, same_spec)
 from hpcddp.collectives import _device
 from hpcddp.comm.buffers import DeviceTensor
 
@@ -90,18 +90,18 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     """Every rank's TENSOR into TENSOR_LIST (one tensor per rank, rank order), on every rank."""
     comm = resolve(group, "all_gather")
     try:
-        as_array(tensor, "all_gather", "tensor")
+        send = as_array(tensor, "all_gather", "tensor")
     except DeviceTensor:
         return _device.all_gather(tensor_list, tensor, comm, async_op)
     check_list(tensor_list, comm.size, "all_gather", "tensor_list")
-    same_spec(tensor_list, tensor, "all_gather", "tensor_list", same_shape=False)
-    for i, t in enumerate(tensor_list):
-        if t.numel() != tensor.numel():
-            raise ValueError(f"all_gather: tensor_list[{i}] has {t.numel()} elements, expected "
-                             f"{tensor.numel()} (tensor's; every rank sends the same size)")
-    if _lists.use_p2p(comm, tensor.numel()):  # zero-copy: each block straight into its tensor
+    views = as_arrays(tensor_list, tensor, "all_gather", "tensor_list", same_shape=False)
+    for i, v in enumerate(views):
+        if v.size != send.size:
+            raise ValueError(f"all_gather: tensor_list[{i}] has {v.size} elements, expected "
+                             f"{send.size} (tensor's; every rank sends the same size)")
+    if _lists.use_p2p(comm, send.size):  # zero-copy: each block straight into its tensor
         entry = record(comm, "all_gather", tensor.shape, tensor.dtype)
-        return _lists.all_gather(tensor_list, tensor, comm, async_op, entry)
+        return _lists.all_gather(tensor_list, tensor, views, send, comm, async_op, entry)
     flat = torch.empty(tensor.numel() * comm.size, dtype=tensor.dtype)
     entry = record(comm, "all_gather", tensor.shape, tensor.dtype)
     reqs = (_large.allgather(comm, as_array(tensor), as_array(flat)) if _large.too_big(flat)

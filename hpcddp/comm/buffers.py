@@ -126,9 +126,18 @@ def as_array(t: torch.Tensor, fn: str = "hpcddp", arg: str = "tensor") -> np.nda
     return arr
 
 
+def _like(t, i: int, ref: torch.Tensor, fn: str, arg: str, same_shape: bool) -> None:
+    if t.dtype is not ref.dtype:
+        raise TensorError(f"{fn}: {arg}[{i}] has dtype {t.dtype}, expected {ref.dtype} "
+                          f"(all tensors of one op share a dtype)")
+    if same_shape and t.shape != ref.shape:
+        raise TensorError(f"{fn}: {arg}[{i}] has shape {list(t.shape)}, expected "
+                          f"{list(ref.shape)}")
+
+
 def same_spec(tensors, ref: torch.Tensor, fn: str, arg: str, *, same_shape: bool = True) -> None:
     """Check every tensor in a list has REF's dtype (and shape), naming the first that differs."""
-    ref_dtype, ref_cpu = ref.dtype, ref.is_cpu
+    ref_cpu = ref.is_cpu
     for i, t in enumerate(tensors):
         # a CPU tensor as_array validated before is still valid (same object, memory, size):
         # list ops pass the same tensors every step, and these checks were 1.2 of a small
@@ -138,9 +147,23 @@ def same_spec(tensors, ref: torch.Tensor, fn: str, arg: str, *, same_shape: bool
             if t.device != ref.device:
                 raise TensorError(f"{fn}: {arg}[{i}] is on {t.device}, expected {ref.device} "
                                   f"(all tensors of one op are on one device)")
-        if t.dtype is not ref_dtype:
-            raise TensorError(f"{fn}: {arg}[{i}] has dtype {t.dtype}, expected {ref.dtype} "
-                              f"(all tensors of one op share a dtype)")
-        if same_shape and t.shape != ref.shape:
-            raise TensorError(f"{fn}: {arg}[{i}] has shape {list(t.shape)}, expected "
-                              f"{list(ref.shape)}")
+        _like(t, i, ref, fn, arg, same_shape)
+
+
+def as_arrays(tensors, ref: torch.Tensor, fn: str, arg: str, *,
+              same_shape: bool = True) -> list:
+    """same_spec for a list of CPU tensors (REF: the op's CPU tensor) that also hands back
+    every tensor's as_array view: the list ops check each tensor once and use the views,
+    where same_spec and then as_array per tensor looked each one up twice."""
+    views = []
+    for i, t in enumerate(tensors):
+        arr = cached_view(t)
+        if arr is None:
+            check_tensor(t, fn, f"{arg}[{i}]")
+            if not t.is_cpu:
+                raise TensorError(f"{fn}: {arg}[{i}] is on {t.device}, expected {ref.device} "
+                                  f"(all tensors of one op are on one device)")
+            arr = as_array(t, fn, f"{arg}[{i}]")
+        _like(t, i, ref, fn, arg, same_shape)
+        views.append(arr)
+    return views

@@ -97,6 +97,15 @@ def test_all_to_all_single_splits(world):
             ValueError, "all_to_all_single:", f"dim 0 ({2 * n + 1})", f"group size {n}")
     refuses(lambda: dist.all_to_all_single(t, t, [1] * (n + 1), [1] * (n + 1)), Exception,
             "all_to_all_single")
+    # this rank's block to itself: as many elements out as in (checked before any message)
+    r = dist.get_rank()
+    sin, sout = [2] * n, [2] * n
+    sout[r], sout[(r + 1) % n] = 1, 3
+    refuses(lambda: hpcddp.all_to_all_single(torch.zeros(2 * n), torch.zeros(2 * n), sout, sin),
+            ValueError, "all_to_all_single:", "block to itself", "2 elements in input",
+            "1 in output")
+    refuses(lambda: hpcddp.all_to_all_single(t, t), ValueError, "all_to_all_single:",
+            "same memory")
     in_step()
 
 

@@ -491,6 +491,32 @@ def test_matrix_world(world, fname):
     assert not problems, "\n".join(problems)
 
 
+def test_all_to_all_single_splits_given_on_some_ranks_only(world):
+    """Each rank knows only its own splits: ranks that pass none (even blocks) and a rank that
+    passes uneven ones (its block to itself is bigger) must still meet in one exchange, in
+    blocking and async calls mixed across ranks."""
+    n, r, B = dist.get_world_size(), dist.get_rank(), 3
+    for flip in (0, 1):
+        a = (r + flip) % 2 == 0
+        if r == n - 1:
+            sp = [B] * (n - 1) + [B + 2]
+            inp = value(torch.float32, r, (sum(sp),))
+            out = torch.full((sum(sp),), -1.0)
+            work = dist.all_to_all_single(out, inp, sp, sp, async_op=a)
+            mine = inp[(n - 1) * B:]
+        else:
+            inp = value(torch.float32, r, (n * B,))
+            out = torch.full((n * B,), -1.0)
+            work = hpcddp.all_to_all_single(out, inp, async_op=a)
+            mine = inp[r * B:(r + 1) * B]
+        if work is not None:
+            work.wait()
+        want = [value(torch.float32, q, (n * B if q < n - 1 else n * B + 2,))[r * B:(r + 1) * B]
+                for q in range(n)]
+        want[r] = mine
+        assert torch.equal(out, torch.cat(want)), (r, flip, out.tolist())
+
+
 def test_barrier(world):
     for api in APIS:
         assert call(api, world, "barrier") is None
