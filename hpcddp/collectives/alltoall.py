@@ -54,7 +54,10 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     if _large.too_big(inp) or _large.too_big(out):
         _large.refuse(fn, "input" if _large.too_big(inp) else "output",
                       max(input.numel(), output.numel()))
-    if input_split_sizes is None and output_split_sizes is None and inp.size == out.size \
+    # no splits: None from the direct API, [] from torch.distributed
+    if (input_split_sizes is None or len(input_split_sizes) == 0) \
+            and (output_split_sizes is None or len(output_split_sizes) == 0) \
+            and inp.size == out.size \
             and input.dim() and output.dim() and not input.shape[0] % n \
             and not output.shape[0] % n:
         # the common call, even blocks: its counts are cached (lists built per call were
