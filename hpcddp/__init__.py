@@ -17,20 +17,21 @@ _LAZY = {
     "init_process_group": "hpcddp.backend", "group_from_comm": "hpcddp.backend",
     "topology_groups": "hpcddp.backend", "ProcessGroupHPCDDP": "hpcddp.backend",
 }
-for _op in ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
+for _op in ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
+            "all_reduce",
             "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object",
             "broadcast_object_list", "gather", "gather_object", "irecv", "isend",
-            "monitored_barrier", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-            "scatter", "scatter_object_list", "send", "Work"):
+            "monitored_barrier", "recv", "reduce", "reduce_scatter", "reduce_scatter_single",
+            "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "Work"):
     _LAZY[_op] = "hpcddp.collectives"
 
 __all__ = ["Communicator", "ProcessGroupHPCDDP", "Work", "__version__", "all_gather",
-           "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+           "all_gather_into_tensor", "all_gather_object", "all_gather_single", "all_reduce", "all_to_all",
            "all_to_all_single", "barrier", "broadcast", "broadcast_object",
            "broadcast_object_list", "finalize", "gather", "gather_object", "get_topology",
            "group_from_comm", "init", "init_process_group", "irecv", "isend", "log",
            "monitored_barrier", "rank_print", "recv", "reduce", "reduce_scatter",
-           "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+           "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
            "topology_groups", "world"]
 
 

@@ -226,6 +226,23 @@ def test_comm_np_starts_its_own_job(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["cells"][0]["op"] == "all_reduce"
 
 
+def test_dispatch_smoke(tmp_path):
+    """python -m hpcddp.bench.dispatch: every op's torch call is split into torch's wrapper,
+    the backend and torch after it (each op entered the backend exactly once per call)."""
+    out = tmp_path / "d.json"
+    res = run_mpi(2, [sys.executable, "-m", "hpcddp.bench.dispatch", "--sizes", "8,64K",
+                      "--rounds", "2", "--calls", "5", "--json", str(out)], timeout=300, env=ENV)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-6000:]}\n{res.stderr[-6000:]}"
+    result = json.loads(out.read_text())
+    from hpcddp.bench.dispatch import OPS
+    assert [(r["op"], r["bytes"]) for r in result["rows"]] == \
+        [(op, size) for op in OPS for size in (8, 65536)]
+    for r in result["rows"]:
+        assert all(r[k] > 0 for k in ("mpi4py", "direct", "before", "backend", "after")), r
+        assert r["torch"] == r["before"] + r["backend"] + r["after"]
+    assert "torch before" in res.stdout and result["setup"]["ranks"] == 2
+
+
 def test_ddp_smoke(tmp_path):
     out = tmp_path / "ddp.json"
     res = _job(["ddp", "--models", "tiny", "--rounds", "2", "--steps", "2", "--json", str(out)])

@@ -43,6 +43,13 @@ def busbw_factor(op: str, n: int) -> float:
     return (n - 1) / n
 
 
+def _torch_name(dist, new: str, old: str):
+    """torch's current name for an op: torch 2.13 renamed all_gather_into_tensor and
+    reduce_scatter_tensor to *_single and warns on every call of the old names, which costs
+    each call 2-5 us (``python -m hpcddp.bench.dispatch``), for gloo as for hpcddp."""
+    return getattr(dist, new, None) or getattr(dist, old)
+
+
 class _Cell:
     """One op at one size: buffers, one callable per implementation, prepare/verify."""
 
@@ -191,12 +198,12 @@ class AllGather(_Blocks):
                 "hpcddp-async": lambda: dist.all_gather(outs, inp, async_op=True).wait(),
             })
         else:
+            single = _torch_name(dist, "all_gather_single", "all_gather_into_tensor")
             fns.update({
-                "hpcddp": lambda: dist.all_gather_into_tensor(flat, inp),
+                "hpcddp": lambda: single(flat, inp),
                 "direct": lambda: hp.all_gather_into_tensor(flat, inp),
-                "gloo": lambda: dist.all_gather_into_tensor(flat, inp, group=G),
-                "hpcddp-async": lambda: dist.all_gather_into_tensor(flat, inp,
-                                                                    async_op=True).wait(),
+                "gloo": lambda: single(flat, inp, group=G),
+                "hpcddp-async": lambda: single(flat, inp, async_op=True).wait(),
             })
         return fns
 
@@ -243,12 +250,12 @@ class ReduceScatter(_Blocks):
                 "hpcddp-async": lambda: dist.reduce_scatter(out, ins, async_op=True).wait(),
             })
         else:
+            single = _torch_name(dist, "reduce_scatter_single", "reduce_scatter_tensor")
             fns.update({
-                "hpcddp": lambda: dist.reduce_scatter_tensor(out, flat),
+                "hpcddp": lambda: single(out, flat),
                 "direct": lambda: hp.reduce_scatter_tensor(out, flat),
-                "gloo": lambda: dist.reduce_scatter_tensor(out, flat, group=G),
-                "hpcddp-async": lambda: dist.reduce_scatter_tensor(out, flat,
-                                                                   async_op=True).wait(),
+                "gloo": lambda: single(out, flat, group=G),
+                "hpcddp-async": lambda: single(out, flat, async_op=True).wait(),
             })
         return fns
 

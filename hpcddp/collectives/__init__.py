@@ -13,8 +13,12 @@ from hpcddp.collectives.reduce import all_reduce, reduce, reduce_scatter, reduce
 from hpcddp.collectives.sync import BarrierTimeout, barrier, monitored_barrier
 from hpcddp.collectives.work import Work
 
+# torch 2.13's names for the flat forms (it warns on every call of the old ones)
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor
+
 __all__ = ["BarrierTimeout", "Work", "all_gather", "all_gather_into_tensor", "all_gather_object",
-           "all_reduce", "all_to_all", "all_to_all_single", "barrier", "broadcast",
+           "all_gather_single", "all_reduce", "all_to_all", "all_to_all_single", "barrier", "broadcast",
            "broadcast_object", "broadcast_object_list", "gather", "gather_object", "irecv",
            "isend", "monitored_barrier", "recv", "reduce", "reduce_scatter",
-           "reduce_scatter_tensor", "scatter", "scatter_object_list", "send"]
+           "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send"]
