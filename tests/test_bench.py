@@ -144,6 +144,27 @@ def test_docs_c_plan_hit_table_is_the_committed_runs():
         assert rows.get(name) == want, (name, rows.get(name), want)
 
 
+def test_docs_dispatch_table_is_the_committed_run():
+    """docs/benchmarks.md's torch-share table quotes docs/benchmarks/dispatch.json."""
+    page = open(os.path.join(DOCS, "benchmarks.md")).read()
+    with open(os.path.join(DOCS, "benchmarks", "dispatch.json")) as f:
+        rows = {(r["op"], r["bytes"]): r for r in json.load(f)["rows"]}
+    names = {"all_gather (list)": "all_gather", "all_to_all (list)": "all_to_all",
+             "all_gather_into_tensor (`all_gather_single`)": "all_gather_into_tensor",
+             "all_to_all_single": "all_to_all_single"}
+    seen = 0
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0] in names:
+            r = rows[(names[cells[0]], 1 << 20)]
+            share = 100 * (r["before"] + r["after"]) / r["mpi4py"]
+            want = [f"{r['mpi4py']:.1f}", f"{r['direct']:.1f}", f"{r['torch']:.1f}",
+                    f"{r['before']:.2f} + {r['after']:.2f}", f"{share:.1f}%"]
+            assert cells[1:] == want, (cells[0], cells[1:], want)
+            seen += 1
+    assert seen == len(names)
+
+
 def test_compare_flags_only_real_regressions(tmp_path):
     old = report.summarize(_fake_comm())
     same, _ = report.compare(report.summarize(_fake_comm()), old)
