@@ -365,22 +365,13 @@ def all_to_all_single(output, input, output_split_sizes, input_split_sizes, comm
                            async_op, [output])
     if input.dtype != output.dtype:
         raise TypeError(f"{fn}: output has dtype {output.dtype}, expected {input.dtype} (input's)")
-    n = comm.size
-    in_rows = input.shape[0] if input.dim() else 1
-    out_rows = output.shape[0] if output.dim() else 1
-    row_in = input.numel() // in_rows if in_rows else 0
-    row_out = output.numel() // out_rows if out_rows else 0
-    sin = A._splits(input_split_sizes, in_rows, n, fn, "input_split_sizes")
-    sout = A._splits(output_split_sizes, out_rows, n, fn, "output_split_sizes")
+    scounts, sdis, rcounts, rdis = A.v_layout(output, input, output_split_sizes,
+                                              input_split_sizes, comm.size, comm.rank, fn)
     entry = _c.record(comm, "all_to_all", input.shape, input.dtype)
     _sync(output)
     inp = _buf(input, fn, "input", ctx, sync=False)
     out = _buf(output, fn, "output", ctx, sync=False)
     # Alltoallv whatever the splits, as the host path (alltoall.all_to_all_single says why)
-    scounts = [s * row_in for s in sin]
-    rcounts = [s * row_out for s in sout]
-    sdis = [sum(scounts[:i]) for i in range(n)]
-    rdis = [sum(rcounts[:i]) for i in range(n)]
     comm.mpi.Alltoallv([inp, (scounts, sdis)], [out, (rcounts, rdis)])
     _c.record_end(entry)
     return _done(async_op, [output])

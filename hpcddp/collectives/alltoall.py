@@ -33,6 +33,26 @@ def _splits(splits, total_rows: int, n: int, fn: str, arg: str) -> list[int]:
     return splits
 
 
+def v_layout(output, input, output_split_sizes, input_split_sizes, n: int, r: int, fn: str):
+    """(send counts, send displacements, receive counts, receive displacements) in elements
+    for MPI_Alltoallv, from the splits along dim 0 (validated, naming FN's arguments); this
+    rank's block to itself must be as big in OUTPUT as in INPUT."""
+    in_rows = input.shape[0] if input.dim() else 1
+    out_rows = output.shape[0] if output.dim() else 1
+    row_in = input.numel() // in_rows if in_rows else 0
+    row_out = output.numel() // out_rows if out_rows else 0
+    sin = _splits(input_split_sizes, in_rows, n, fn, "input_split_sizes")
+    sout = _splits(output_split_sizes, out_rows, n, fn, "output_split_sizes")
+    scounts = [k * row_in for k in sin]
+    rcounts = [k * row_out for k in sout]
+    if scounts[r] != rcounts[r]:
+        raise ValueError(f"{fn}: this rank's block to itself has {scounts[r]} elements in "
+                         f"input but {rcounts[r]} in output (input_split_sizes[{r}] x "
+                         f"{row_in} vs output_split_sizes[{r}] x {row_out})")
+    return (scounts, list(accumulate(scounts[:-1], initial=0)),
+            rcounts, list(accumulate(rcounts[:-1], initial=0)))
+
+
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
     """Split INPUT along dim 0 and send block j to rank j; receive into OUTPUT in rank order.
@@ -70,20 +90,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             layout = _even[(n, inp.size)] = ([c] * n, [c * j for j in range(n)])
         scounts, sdis = rcounts, rdis = layout
     else:
-        in_rows = input.shape[0] if input.dim() else 1
-        out_rows = output.shape[0] if output.dim() else 1
-        row_in = input.numel() // in_rows if in_rows else 0
-        row_out = output.numel() // out_rows if out_rows else 0
-        sin = _splits(input_split_sizes, in_rows, n, fn, "input_split_sizes")
-        sout = _splits(output_split_sizes, out_rows, n, fn, "output_split_sizes")
-        scounts = [k * row_in for k in sin]
-        rcounts = [k * row_out for k in sout]
-        if scounts[r] != rcounts[r]:
-            raise ValueError(f"{fn}: this rank's block to itself has {scounts[r]} elements in "
-                             f"input but {rcounts[r]} in output (input_split_sizes[{r}] x "
-                             f"{row_in} vs output_split_sizes[{r}] x {row_out})")
-        sdis = list(accumulate(scounts[:-1], initial=0))
-        rdis = list(accumulate(rcounts[:-1], initial=0))
+        scounts, sdis, rcounts, rdis = v_layout(output, input, output_split_sizes,
+                                                input_split_sizes, n, r, fn)
     if inp.size and output.data_ptr() == input.data_ptr():
         raise ValueError(f"{fn}: output and input are the same memory; an all-to-all reads "
                          f"input while it writes output: pass separate tensors")
