@@ -151,6 +151,116 @@ SCRIPT = textwrap.dedent(r'''
                 out2 = torch.empty(count, dtype=dtype)
                 dist.reduce_scatter(out2, ins, op=op, async_op=True).wait()
                 same(out2, want.to(dtype), f"reduce_scatter async {op} {count} {dtype}")
+
+    # -- exchange plans: all_to_all_single, all_gather, all_to_all called again --------------
+    from hpcddp.comm.buffers import TensorError
+    A2A, AG, A2L = _plans.A2A_SINGLE, _plans.ALL_GATHER, _plans.ALL_TO_ALL
+
+    def ref_a2a(inp):
+        u = torch.empty_like(inp); dist.all_to_all_single(u, inp, group=G); return u
+
+    def hit(kind, tensors, group=None):      # the hit itself: True when the plan ran
+        return _plans.xhit(kind, tuple(tensors), group)
+
+    for dtype in (torch.float32, torch.int64, torch.bfloat16, torch.bool):
+        inp = (torch.arange(6 * n) % 5 + 7 * r).to(dtype) if dtype != torch.bool else \
+            (torch.arange(6 * n) + r) % 2 == 0
+        out = torch.empty_like(inp)
+        for i in range(3):
+            out.zero_(); hpcddp.all_to_all_single(out, inp); same(out, ref_a2a(inp), f"a2a {dtype} #{i}")
+        assert id(out) in _plans.xplans[A2A], f"no all_to_all_single plan for {dtype}"
+        out.zero_(); assert hit(A2A, (out, inp)), f"planned {dtype} call missed"
+        same(out, ref_a2a(inp), f"a2a hit {dtype}")
+        out.zero_(); dist.all_to_all_single(out, inp); same(out, ref_a2a(inp), f"dist a2a {dtype}")
+    inp = torch.arange(4.0 * n) + 10 * r
+    out = torch.empty(4 * n)
+    for i in range(3):
+        hpcddp.all_to_all_single(out, inp)
+    old_mem = out.clone()
+    out.set_(torch.full((4 * n,), -1.0))      # new memory, same object: no hit, right answer
+    assert not hit(A2A, (out, inp)), "hit after set_"
+    hpcddp.all_to_all_single(out, inp); same(out, ref_a2a(inp), "a2a after set_")
+    w = hpcddp.all_to_all_single(out, inp, async_op=True); w.wait()
+    same(out, ref_a2a(inp), "a2a async after a plan")
+    big = torch.zeros(8 * n)                  # same memory and size, no longer one block
+    strided = big[:4 * n]
+    for i in range(3):
+        hpcddp.all_to_all_single(strided, inp)
+    strided.as_strided_((4 * n,), (2,))
+    assert not hit(A2A, (strided, inp)), "hit on a non-contiguous tensor"
+    try:
+        hpcddp.all_to_all_single(strided, inp)
+    except TensorError as e:
+        assert "not contiguous" in str(e), e
+    else:
+        raise AssertionError("all_to_all_single wrote a strided tensor")
+
+    t = torch.full((3,), float(r))
+    lst = [torch.zeros(3) for _ in range(n)]
+    want = [torch.full((3,), float(j)) for j in range(n)]
+    for i in range(3):
+        for x in lst: x.zero_()
+        hpcddp.all_gather(lst, t)
+    for x in lst: x.zero_()
+    assert hit(AG, (t, *lst)), "planned all_gather missed"
+    for j in range(n): same(lst[j], want[j], f"all_gather hit [{j}]")
+    for x in lst: x.zero_()
+    dist.all_gather(lst, t)
+    for j in range(n): same(lst[j], want[j], f"dist all_gather after the plan [{j}]")
+    lst[n - 1] = torch.zeros(3)               # another tensor in the list: no hit
+    assert not hit(AG, (t, *lst)), "hit with a replaced list element"
+    hpcddp.all_gather(lst, t)
+    for j in range(n): same(lst[j], want[j], f"all_gather with a new element [{j}]")
+    lst[r] = t                                # own block is the input: no copy to itself
+    for i in range(3):
+        hpcddp.all_gather(lst, t)
+    for j in range(n): same(lst[j], want[j], f"all_gather own block aliased [{j}]")
+    t.resize_(2)                              # same memory, fewer elements: no hit
+    assert not hit(AG, (t, *lst)), "hit after resize_"
+    t.resize_(3)
+    for i in range(60):                       # a fresh list per call: never planned over and over
+        fresh = [torch.zeros(3) for _ in range(n)]
+        hpcddp.all_gather(fresh, t)
+        for j in range(n): same(fresh[j], want[j], f"all_gather fresh list #{i} [{j}]")
+    assert _plans._seen[AG][id(t)][1] <= _plans.MAX_REPLANS, _plans._seen[AG][id(t)]
+
+    ins = [torch.full((2,), float(10 * r + j)) for j in range(n)]
+    outs = [torch.zeros(2) for _ in range(n)]
+    want = [torch.full((2,), float(10 * j + r)) for j in range(n)]
+    for i in range(3):
+        hpcddp.all_to_all(outs, ins)
+    for x in outs: x.zero_()
+    assert hit(A2L, (*outs, *ins)), "planned all_to_all missed"
+    for j in range(n): same(outs[j], want[j], f"all_to_all hit [{j}]")
+    for x in outs: x.zero_()
+    dist.all_to_all(outs, ins)
+    for j in range(n): same(outs[j], want[j], f"dist all_to_all after the plan [{j}]")
+    ins[0].set_(torch.full((2,), float(10 * r)))   # an input's memory replaced: no hit
+    assert not hit(A2L, (*outs, *ins)), "hit after an input's set_"
+    hpcddp.all_to_all(outs, ins)
+    for j in range(n): same(outs[j], want[j], f"all_to_all after set_ [{j}]")
+
+    sub2 = dist.new_group([0, 1])             # a planned group, then freed: an error
+    if r in (0, 1):
+        c = sub2.hpcddp_comm
+        x = torch.full((2,), float(r)); y = torch.empty(2)
+        for i in range(3):
+            hpcddp.all_to_all_single(y, x, group=c)
+        same(y, torch.tensor([0.0, 1.0]), "a2a on a sub group")
+        assert not hit(A2A, (y, x)), "the world hit a sub group's plan"
+        c.free()
+        try:
+            hpcddp.all_to_all_single(y, x, group=c)
+        except ValueError as e:
+            assert "destroyed" in str(e), e
+        else:
+            raise AssertionError("all_to_all_single ran on a freed group")
+    y = torch.empty(2 * n); x = torch.arange(2.0 * n)
+    for i in range(2):
+        hpcddp.all_to_all_single(y, x)
+    e0 = last(); hpcddp.all_to_all_single(y, x); e1 = last()   # a hit is recorded
+    assert e1[:6] == [e0[0] + 1, "all_to_all", world, x.shape, x.dtype, None] and e1[7] != 0.0, \
+        (e0, e1)
     dist.barrier()
     if r == 0:
         print("FASTPATHS OK", flush=True)

@@ -187,6 +187,7 @@ def describe(ctl, world_size: int, extra: dict | None = None) -> dict:
         "torch_threads": torch.get_num_threads(),
         "hpcddp_commit": git_commit(),
         "all_reduce_hit": _plans.KIND,
+        "plan_hit_ops": list(_plans.PLANNED_OPS),
         "gloo_transport": "tcp (no shared-memory transport exists in gloo)",
     }
     if per_rank is not None:

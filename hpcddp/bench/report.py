@@ -166,7 +166,9 @@ def setup_lines(result: dict) -> list[str]:
     lines.append(f"versions: torch {s.get('torch')}, numpy {s.get('numpy')}, mpi4py "
                  f"{s.get('mpi4py')}, python {s.get('python')}; hpcddp {s.get('hpcddp_commit')}")
     if s.get("all_reduce_hit"):
-        lines.append(f"all_reduce plan hit (a tensor reduced before): {s['all_reduce_hit']}")
+        ops = s.get("plan_hit_ops", ["all_reduce"])   # runs before the exchange plans: one
+        lines.append(f"plan hits ({', '.join(ops)} on tensors used before): "
+                     f"{s['all_reduce_hit']}")
     lines.append(f"ranks {s.get('ranks')} on {len(s.get('hosts', [])) or '?'} host(s), affinity "
                  f"{s.get('rank_affinity')}, OMP_NUM_THREADS={s.get('omp_num_threads')}, torch "
                  f"threads {s.get('torch_threads')}")

@@ -1,15 +1,21 @@
-/* The all_reduce(SUM) plan hit in C: what hpcddp.collectives._plans.hit_py does in Python.
+/* The plan hits in C: what hpcddp.collectives._plans.hit_py and xhit_py do in Python.
  *
  * A small all_reduce is mostly fixed cost: raw mpi4py takes ~0.85 us at <= 1 KiB on 2 ranks of
  * one node, and checking a plan, writing the flight-recorder entry and calling mpi4py from
  * Python added ~0.8 us more (`hpcddp bench comm`). Here the same steps cost ~0.1 us: one dict
- * lookup, the tensor's data_ptr() and numel(), the ring entry, then MPI_Allreduce with the GIL
- * released (as mpi4py releases it).
+ * lookup, the tensor's data_ptr(), numel() and is_contiguous(), the ring entry, then
+ * MPI_Allreduce with the GIL released (as mpi4py releases it).
  *
- * The plan tuple is made by _plans.make_plan (its layout is documented there); this file reads
- * it and never creates one. all_reduce_sum answers False whenever anything differs from the
- * plan (other object at that id, memory, element count, group, destroyed communicator, a plan
- * with no C handles): the caller then takes the full Python path, which validates and plans.
+ * exchange() does the same for the blocking all_to_all_single (even blocks), all_gather and
+ * all_to_all (list forms) called again on the same tensors: every tensor of the call checked
+ * against the plan, the entry, then the plan's program (MPI_Ialltoallv + MPI_Wait, or the own
+ * block's memmove and MPI_Sendrecv steps) with the GIL released.
+ *
+ * The plan tuples are made by _plans (make_plan, make_xplan: their layouts are documented
+ * there); this file reads them and never creates one. Both hits answer False whenever anything
+ * differs from the plan (other object at that id, memory, element count, contiguity, group,
+ * destroyed communicator, a plan with no C program): the caller then takes the full Python
+ * path, which validates and plans.
  *
  * Built by setup.py with the MPI compiler wrapper (mpicc); optional. The handles are
  * mpi4py's (MPI._handleof), so this library and mpi4py's must be the same MPI:
@@ -20,14 +26,19 @@
 #include <mpi.h>
 #include <limits.h>
 #include <stdint.h>
+#include <string.h>
 
-/* set once by configure(): the plans dict, the recorder's ring, its slot cycle, its clock,
-   and mpi4py's exception class */
-static PyObject *plans, *ring, *slots, *tick, *mpi_exception;
-static PyObject *s_op, *s_data_ptr, *s_numel, *s_seq, *s_mpi;
+/* set once by configure(): the all_reduce plans dict, the exchange plans (a tuple of dicts,
+   one per kind), the recorder's ring, its slot cycle, its clock, and mpi4py's exception class */
+static PyObject *plans, *xplans, *ring, *slots, *tick, *mpi_exception;
+static PyObject *s_op, *s_data_ptr, *s_numel, *s_is_contiguous, *s_seq, *s_mpi;
 
 enum { P_REF, P_PTR, P_GROUP, P_COMM, P_NUMEL, P_MPI, P_SHAPE, P_DTYPE, P_VIEW, P_OP,
        P_HANDLES, P_LEN };
+/* exchange plans (_plans.make_xplan) and their programs (_plans: X_PROG) */
+enum { X_REFS, X_PTRS, X_NUMELS, X_GROUP, X_COMM, X_MPI, X_OP, X_SHAPE, X_DTYPE, X_RUN,
+       X_PROG, X_LEN };
+enum { ALLTOALLV, SENDRECV };
 
 static int same_int(PyObject *value, PyObject *planned) {
     /* 1 if VALUE (a new reference, consumed) equals the plan's int, 0 if not, -1 on error */
@@ -38,10 +49,45 @@ static int same_int(PyObject *value, PyObject *planned) {
     return eq;
 }
 
-/* the recorder's start(): [seq, "all_reduce", comm, shape, dtype, None, t_start, 0.0] into the
-   ring, comm.seq + 1 (hpcddp.diagnostics.recorder.FlightRecorder._make_start) */
-static PyObject *record_start(PyObject *plan) {
-    PyObject *comm = PyTuple_GET_ITEM(plan, P_COMM);
+/* 1 if T is the tensor REF refers to, with memory PTR, NUMEL elements and one block of
+   memory (an in-place as_strided_ keeps the first two); 0 if not; -1 on error */
+static int tensor_holds(PyObject *t, PyObject *ref, PyObject *ptr, PyObject *numel) {
+    if (PyWeakref_GetObject(ref) != t)
+        return 0;
+    int eq = same_int(PyObject_CallMethodNoArgs(t, s_data_ptr), ptr);
+    if (eq == 1)
+        eq = same_int(PyObject_CallMethodNoArgs(t, s_numel), numel);
+    if (eq == 1) {
+        PyObject *c = PyObject_CallMethodNoArgs(t, s_is_contiguous);
+        if (c == NULL)
+            return -1;
+        eq = PyObject_IsTrue(c);
+        Py_DECREF(c);
+    }
+    return eq;
+}
+
+/* 1 if COMM (a plan's Communicator) still has the mpi4py communicator MPI it was planned on
+   (destroyed: COMM_NULL; replaced), 0 if not, -1 on error */
+static int comm_alive(PyObject *comm, PyObject *mpi) {
+    PyObject *now = PyObject_GetAttr(comm, s_mpi);
+    if (now == NULL)
+        return -1;
+    Py_DECREF(now);                       /* only its identity is compared */
+    return now == mpi;
+}
+
+static void raise_mpi(int rc) {           /* mpi4py's MPI.Exception(rc) */
+    PyObject *code = PyLong_FromLong(rc);
+    if (code != NULL) {
+        PyErr_SetObject(mpi_exception, code);
+        Py_DECREF(code);
+    }
+}
+
+/* the recorder's start(): [seq, OP, comm, shape, dtype, None, t_start, 0.0] into the ring,
+   comm.seq + 1 (hpcddp.diagnostics.recorder.FlightRecorder._make_start) */
+static PyObject *record_start(PyObject *comm, PyObject *op, PyObject *shape, PyObject *dtype) {
     PyObject *seq = PyObject_GetAttr(comm, s_seq);
     if (seq == NULL)
         return NULL;
@@ -65,8 +111,7 @@ static PyObject *record_start(PyObject *plan) {
         Py_XDECREF(t_end);
         goto fail;
     }
-    PyObject *borrowed[] = {s_op, comm, PyTuple_GET_ITEM(plan, P_SHAPE),
-                            PyTuple_GET_ITEM(plan, P_DTYPE), Py_None, PyList_GET_ITEM(tick, 0)};
+    PyObject *borrowed[] = {op, comm, shape, dtype, Py_None, PyList_GET_ITEM(tick, 0)};
     PyList_SET_ITEM(entry, 0, next_seq);  /* steals */
     for (int k = 0; k < 6; k++) {
         Py_INCREF(borrowed[k]);
@@ -85,6 +130,7 @@ fail:
 }
 
 static PyObject *run_plan(PyObject *plan, PyObject *tensor, PyObject *group);
+static PyObject *record_end(PyObject *entry, int rc);
 
 static PyObject *all_reduce_sum(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
@@ -113,19 +159,13 @@ static PyObject *all_reduce_sum(PyObject *self, PyObject *const *args, Py_ssize_
 static PyObject *run_plan(PyObject *plan, PyObject *tensor, PyObject *group) {
     if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != P_LEN
             || PyTuple_GET_ITEM(plan, P_HANDLES) == Py_None
-            || PyWeakref_GetObject(PyTuple_GET_ITEM(plan, P_REF)) != tensor
             || (PyTuple_GET_ITEM(plan, P_GROUP) != group
                 && PyTuple_GET_ITEM(plan, P_COMM) != group))
         Py_RETURN_FALSE;
-    PyObject *mpi = PyObject_GetAttr(PyTuple_GET_ITEM(plan, P_COMM), s_mpi);
-    if (mpi == NULL)
-        return NULL;
-    Py_DECREF(mpi);                       /* only its identity is compared */
-    if (mpi != PyTuple_GET_ITEM(plan, P_MPI))
-        Py_RETURN_FALSE;                  /* destroyed (COMM_NULL) or replaced */
-    int eq = same_int(PyObject_CallMethodNoArgs(tensor, s_data_ptr), PyTuple_GET_ITEM(plan, P_PTR));
+    int eq = comm_alive(PyTuple_GET_ITEM(plan, P_COMM), PyTuple_GET_ITEM(plan, P_MPI));
     if (eq == 1)
-        eq = same_int(PyObject_CallMethodNoArgs(tensor, s_numel), PyTuple_GET_ITEM(plan, P_NUMEL));
+        eq = tensor_holds(tensor, PyTuple_GET_ITEM(plan, P_REF), PyTuple_GET_ITEM(plan, P_PTR),
+                          PyTuple_GET_ITEM(plan, P_NUMEL));
     if (eq < 0)
         return NULL;
     if (eq == 0)
@@ -141,7 +181,8 @@ static PyObject *run_plan(PyObject *plan, PyObject *tensor, PyObject *group) {
         return NULL;
     if (count < 0 || count > INT_MAX)
         Py_RETURN_FALSE;                  /* MPI's int count: the Python path cuts it up */
-    PyObject *entry = record_start(plan);
+    PyObject *entry = record_start(PyTuple_GET_ITEM(plan, P_COMM), s_op,
+                                   PyTuple_GET_ITEM(plan, P_SHAPE), PyTuple_GET_ITEM(plan, P_DTYPE));
     if (entry == NULL)
         return NULL;
     int rc;
@@ -150,33 +191,152 @@ static PyObject *run_plan(PyObject *plan, PyObject *tensor, PyObject *group) {
     rc = MPI_Allreduce(MPI_IN_PLACE, buf, (int)count, (MPI_Datatype)htype, (MPI_Op)hop,
                        (MPI_Comm)hcomm);
     Py_END_ALLOW_THREADS
-    if (rc != MPI_SUCCESS) {              /* the entry stays in flight, as in Python */
+    return record_end(entry, rc);
+}
+
+/* the recorder's end() after the MPI call: on an error the entry stays in flight, as in
+   Python, and mpi4py's exception is raised. Consumes ENTRY. */
+static PyObject *record_end(PyObject *entry, int rc) {
+    if (rc != MPI_SUCCESS) {
         Py_DECREF(entry);
-        PyObject *code = PyLong_FromLong(rc);
-        if (code != NULL) {
-            PyErr_SetObject(mpi_exception, code);   /* mpi4py's MPI.Exception(rc) */
-            Py_DECREF(code);
-        }
+        raise_mpi(rc);
         return NULL;
     }
-    PyObject *t_end = PyList_GET_ITEM(tick, 0);      /* the recorder's end() */
+    PyObject *t_end = PyList_GET_ITEM(tick, 0);
     Py_INCREF(t_end);
     PyList_SetItem(entry, 7, t_end);
     Py_DECREF(entry);
     Py_RETURN_TRUE;
 }
 
-static PyObject *configure(PyObject *self, PyObject *args) {
-    PyObject *p, *r, *s, *t, *e;
-    if (!PyArg_ParseTuple(args, "O!O!OO!O:configure", &PyDict_Type, &p, &PyList_Type, &r, &s,
-                          &PyList_Type, &t, &e))
+static PyObject *run_xplan(PyObject *plan, PyObject *tensors, PyObject *group);
+
+static PyObject *exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyLong_Check(args[0]) || !PyTuple_Check(args[1])
+            || PyTuple_GET_SIZE(args[1]) < 1) {
+        PyErr_SetString(PyExc_TypeError, "exchange(kind, tensors, group): expected an int kind, "
+                        "a non-empty tuple of tensors and a group");
         return NULL;
+    }
+    Py_ssize_t kind = PyLong_AsSsize_t(args[0]);
+    if (kind == -1 && PyErr_Occurred())
+        return NULL;
+    if (kind < 0 || kind >= PyTuple_GET_SIZE(xplans)) {
+        PyErr_Format(PyExc_ValueError, "exchange: kind %zd is not a plan kind", kind);
+        return NULL;
+    }
+    PyObject *key = PyLong_FromVoidPtr(PyTuple_GET_ITEM(args[1], 0));  /* id(first tensor) */
+    if (key == NULL)
+        return NULL;
+    PyObject *plan = PyDict_GetItemWithError(PyTuple_GET_ITEM(xplans, kind), key);  /* borrowed */
+    Py_DECREF(key);
+    if (plan == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_FALSE;
+    }
+    Py_INCREF(plan);                      /* as in all_reduce_sum */
+    PyObject *done = run_xplan(plan, args[1], args[2]);
+    Py_DECREF(plan);
+    return done;
+}
+
+/* the program's table: its bytes as WIDTH-byte ints, their count in *COUNT (NULL: not one) */
+static const char *table_of(PyObject *prog, Py_ssize_t width, Py_ssize_t *count) {
+    PyObject *b = PyTuple_GET_ITEM(prog, 3);
+    if (!PyBytes_Check(b) || PyBytes_GET_SIZE(b) % width)
+        return NULL;
+    *count = PyBytes_GET_SIZE(b) / width;
+    return PyBytes_AS_STRING(b);
+}
+
+static PyObject *run_xplan(PyObject *plan, PyObject *tensors, PyObject *group) {
+    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != X_LEN)
+        Py_RETURN_FALSE;
+    PyObject *refs = PyTuple_GET_ITEM(plan, X_REFS), *ptrs = PyTuple_GET_ITEM(plan, X_PTRS),
+             *numels = PyTuple_GET_ITEM(plan, X_NUMELS), *prog = PyTuple_GET_ITEM(plan, X_PROG);
+    Py_ssize_t n = PyTuple_GET_SIZE(tensors);
+    if (!PyTuple_Check(prog) || PyTuple_GET_SIZE(prog) != 5 || !PyTuple_Check(refs)
+            || PyTuple_GET_SIZE(refs) != n || !PyTuple_Check(ptrs) || PyTuple_GET_SIZE(ptrs) != n
+            || !PyTuple_Check(numels) || PyTuple_GET_SIZE(numels) != n
+            || (PyTuple_GET_ITEM(plan, X_GROUP) != group && PyTuple_GET_ITEM(plan, X_COMM) != group))
+        Py_RETURN_FALSE;
+    int eq = comm_alive(PyTuple_GET_ITEM(plan, X_COMM), PyTuple_GET_ITEM(plan, X_MPI));
+    for (Py_ssize_t i = 0; eq == 1 && i < n; i++)
+        eq = tensor_holds(PyTuple_GET_ITEM(tensors, i), PyTuple_GET_ITEM(refs, i),
+                          PyTuple_GET_ITEM(ptrs, i), PyTuple_GET_ITEM(numels, i));
+    if (eq < 0)
+        return NULL;
+    if (eq == 0)
+        Py_RETURN_FALSE;
+    /* the plan holds: these objects, this memory, these sizes, this live communicator */
+    long code = PyLong_AsLong(PyTuple_GET_ITEM(prog, 0));
+    intptr_t hcomm = (intptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(prog, 1));
+    intptr_t htype = (intptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(prog, 2));
+    int tag = (int)PyLong_AsLong(PyTuple_GET_ITEM(prog, 4));
+    void *out = PyLong_AsVoidPtr(PyTuple_GET_ITEM(ptrs, 0));
+    void *in = n > 1 ? PyLong_AsVoidPtr(PyTuple_GET_ITEM(ptrs, 1)) : NULL;
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t count = 0;
+    const char *table = NULL;
+    if (code == ALLTOALLV)
+        table = table_of(prog, 4 * sizeof(int), &count);      /* count: ranks */
+    else if (code == SENDRECV) {
+        table = table_of(prog, sizeof(int64_t), &count);
+        count = (count >= 3 && (count - 3) % 6 == 0) ? (count - 3) / 6 : -1;   /* steps */
+    }
+    if (table == NULL || count < 0)
+        Py_RETURN_FALSE;                  /* not a program this module runs */
+    PyObject *entry = record_start(PyTuple_GET_ITEM(plan, X_COMM), PyTuple_GET_ITEM(plan, X_OP),
+                                   PyTuple_GET_ITEM(plan, X_SHAPE), PyTuple_GET_ITEM(plan, X_DTYPE));
+    if (entry == NULL)
+        return NULL;
+    int rc = MPI_SUCCESS;
+    MPI_Comm comm = (MPI_Comm)hcomm;      /* pointers in Open MPI, ints in MPICH: both compile */
+    MPI_Datatype type = (MPI_Datatype)htype;
+    Py_BEGIN_ALLOW_THREADS
+    if (code == ALLTOALLV) {
+        /* nonblocking, then wait: a peer's call may be async_op=True (Ialltoallv), and MPI
+           never matches a blocking collective with a nonblocking one */
+        const int *c = (const int *)table;
+        MPI_Request req;
+        rc = MPI_Ialltoallv(in, c, c + count, type, out, c + 2 * count, c + 3 * count, type,
+                            comm, &req);
+        if (rc == MPI_SUCCESS)
+            rc = MPI_Wait(&req, MPI_STATUS_IGNORE);
+    } else {
+        const int64_t *t = (const int64_t *)table;
+        if (t[2] > 0)                     /* this rank's own block (memmove: may overlap) */
+            memmove((void *)(intptr_t)t[0], (const void *)(intptr_t)t[1], (size_t)t[2]);
+        for (Py_ssize_t k = 0; rc == MPI_SUCCESS && k < count; k++) {
+            const int64_t *s = t + 3 + 6 * k;   /* send ptr, count, dst, recv ptr, count, src */
+            rc = MPI_Sendrecv((void *)(intptr_t)s[0], (int)s[1], type, (int)s[2], tag,
+                              (void *)(intptr_t)s[3], (int)s[4], type, (int)s[5], tag, comm,
+                              MPI_STATUS_IGNORE);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return record_end(entry, rc);
+}
+
+static PyObject *configure(PyObject *self, PyObject *args) {
+    PyObject *p, *x, *r, *s, *t, *e;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!O:configure", &PyDict_Type, &p, &PyTuple_Type, &x,
+                          &PyList_Type, &r, &s, &PyList_Type, &t, &e))
+        return NULL;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(x); k++)
+        if (!PyDict_Check(PyTuple_GET_ITEM(x, k))) {
+            PyErr_SetString(PyExc_TypeError, "configure: xplans must be a tuple of dicts");
+            return NULL;
+        }
     if (!PyIter_Check(s) || PyList_GET_SIZE(t) < 1) {
         PyErr_SetString(PyExc_TypeError, "configure: slots must be an iterator and tick a "
                         "non-empty list");
         return NULL;
     }
     Py_XSETREF(plans, Py_NewRef(p));
+    Py_XSETREF(xplans, Py_NewRef(x));
     Py_XSETREF(ring, Py_NewRef(r));
     Py_XSETREF(slots, Py_NewRef(s));
     Py_XSETREF(tick, Py_NewRef(t));
@@ -195,22 +355,27 @@ static PyMethodDef methods[] = {
     {"all_reduce_sum", (PyCFunction)(void (*)(void))all_reduce_sum, METH_FASTCALL,
      "all_reduce_sum(tensor, group) -> bool: run the planned SUM all_reduce of TENSOR in "
      "place and return True, or return False (no plan, or it no longer holds)."},
+    {"exchange", (PyCFunction)(void (*)(void))exchange, METH_FASTCALL,
+     "exchange(kind, tensors, group) -> bool: run the planned blocking exchange of kind KIND "
+     "(hpcddp.collectives._plans) on TENSORS and return True, or return False (no plan, or "
+     "it no longer holds)."},
     {"configure", configure, METH_VARARGS,
-     "configure(plans, ring, slots, tick, mpi_exception): what all_reduce_sum reads."},
+     "configure(plans, xplans, ring, slots, tick, mpi_exception): what the hits read."},
     {"library_version", library_version, METH_NOARGS,
      "MPI_Get_library_version() of the MPI this module was built and linked with."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastpath",
-                                    "The all_reduce(SUM) plan hit in C.", -1, methods};
+                                    "The plan hits in C (hpcddp.collectives._plans).", -1, methods};
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
     s_op = PyUnicode_InternFromString("all_reduce");
     s_data_ptr = PyUnicode_InternFromString("data_ptr");
     s_numel = PyUnicode_InternFromString("numel");
+    s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
     s_seq = PyUnicode_InternFromString("seq");
     s_mpi = PyUnicode_InternFromString("mpi");
-    if (!s_op || !s_data_ptr || !s_numel || !s_seq || !s_mpi)
+    if (!s_op || !s_data_ptr || !s_numel || !s_is_contiguous || !s_seq || !s_mpi)
         return NULL;
     return PyModule_Create(&module);
 }

@@ -17,15 +17,19 @@ path is used; above, each rank would post 2(n-1) messages per op and the flat co
 from __future__ import annotations
 
 import os
+from array import array
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from hpcddp.collectives import _large
+from hpcddp.collectives import _plans
 from hpcddp.collectives._common import as_array, finish_or_work
+from hpcddp.comm._mpi import MPI
 
 TAG = 7
+SEQUENCES = (list, tuple)   # what a tensor list may be (hot-path test: type(x) in SEQUENCES)
 _MAX_RANKS = int(os.environ.get("HPCDDP_LIST_P2P_MAX_RANKS", "8"))
 _side: dict = {}   # Communicator.uid -> mpi4py Intracomm (a Dup of the group's)
 _RedOpType = dist.ReduceOp.RedOpType
@@ -66,21 +70,51 @@ def _exchange(side, r: int, n: int, sends, recvs, async_op: bool):
     return reqs
 
 
-def all_gather(tensor_list, tensor, views, send, comm, async_op, entry):
-    """Caller validated: n tensors (VIEWS: their as_array views), tensor's dtype, tensor's
-    element count; SEND is tensor's view."""
+def _plan(kind, tensors, group, comm, op, ref, own, sends, recvs) -> None:
+    """Plan a validated blocking call's exchange for the next identical one: OWN, the
+    (destination, source) views of the own block's copy or None; SENDS and RECVS, the views
+    to and from each rank, as _exchange takes them."""
     side = side_comm(comm)
     r, n = comm.rank, comm.size
-    if tensor_list[r].data_ptr() != tensor.data_ptr():
-        np.copyto(views[r], send)   # numpy: ~0.3 us where torch's copy_ costs ~2
-    reqs = _exchange(side, r, n, [send] * n, views, async_op)
+
+    def run():
+        if own is not None:
+            np.copyto(*own)
+        _exchange(side, r, n, sends, recvs, False)
+    datatype = _plans.datatype_handle(recvs[r])
+    prog = None
+    if datatype is not None:
+        table = ([own[0].ctypes.data, own[1].ctypes.data, own[0].nbytes] if own is not None
+                 else [0, 0, 0])
+        for k in range(1, n):
+            src, dst = (r - k) % n, (r + k) % n
+            table += [sends[dst].ctypes.data, sends[dst].size, dst,
+                      recvs[src].ctypes.data, recvs[src].size, src]
+        prog = (_plans.SENDRECV, MPI._handleof(side), datatype, array("q", table).tobytes(), TAG)
+    _plans.make_xplan(kind, tensors, group, comm, op, ref.shape, ref.dtype, run, prog)
+
+
+def all_gather(tensor_list, tensor, views, send, comm, async_op, entry, group=None):
+    """Caller validated: n tensors (VIEWS: their as_array views), tensor's dtype, tensor's
+    element count; SEND is tensor's view. GROUP: as the caller got it (for its plan)."""
+    side = side_comm(comm)
+    r, n = comm.rank, comm.size
+    own = (views[r], send) if tensor_list[r].data_ptr() != tensor.data_ptr() else None
+    if own is not None:
+        np.copyto(*own)   # numpy: ~0.3 us where torch's copy_ costs ~2
+    sends = [send] * n
+    reqs = _exchange(side, r, n, sends, views, async_op)
+    call = (tensor, *tensor_list)
+    if send.size and _plans.worth_planning(_plans.ALL_GATHER, call):
+        _plan(_plans.ALL_GATHER, call, group, comm, "all_gather", tensor, own, sends, views)
     return finish_or_work(async_op, entry, reqs, list(tensor_list))
 
 
-def all_to_all(output_tensor_list, input_tensor_list, outs, ins, comm, async_op, entry):
+def all_to_all(output_tensor_list, input_tensor_list, outs, ins, comm, async_op, entry,
+               group=None):
     """Caller validated: n tensors in each list (OUTS, INS: their views), one dtype. Block
     sizes are the caller's contract with its peers (a mismatch fails in MPI as a truncated
-    message)."""
+    message). GROUP: as the caller got it (for its plan)."""
     r, n = comm.rank, comm.size
     biggest = max(a.size for a in (*outs, *ins))
     if biggest > _large.MAX_COUNT:   # one message per block: only a block can be too big
@@ -88,9 +122,15 @@ def all_to_all(output_tensor_list, input_tensor_list, outs, ins, comm, async_op,
     if outs[r].size != ins[r].size:
         raise ValueError(f"all_to_all: output_tensor_list[{r}] has {outs[r].size} elements but "
                          f"input_tensor_list[{r}] (this rank's block to itself) has {ins[r].size}")
-    if output_tensor_list[r].data_ptr() != input_tensor_list[r].data_ptr():
-        np.copyto(outs[r], ins[r])
+    own = ((outs[r], ins[r]) if output_tensor_list[r].data_ptr() != input_tensor_list[r].data_ptr()
+           else None)
+    if own is not None:
+        np.copyto(*own)
     reqs = _exchange(side_comm(comm), r, n, ins, outs, async_op)
+    call = (*output_tensor_list, *input_tensor_list)
+    if _plans.worth_planning(_plans.ALL_TO_ALL, call):
+        _plan(_plans.ALL_TO_ALL, call, group, comm, "all_to_all", input_tensor_list[0], own,
+              list(ins), list(outs))
     return finish_or_work(async_op, entry, reqs, list(output_tensor_list))
 
 

@@ -1,4 +1,7 @@
-"""Plans: what all_reduce(SUM) looked up last time for a tensor, so the next call need not.
+"""Plans: what an op looked up last time for its tensors, so the next call need not.
+
+all_reduce(SUM) plans first; the exchange plans (all_to_all_single, all_gather, all_to_all)
+below them.
 
 DDP's buckets, loss and metric reductions reduce the same tensors every step. A plan keeps,
 per tensor (by identity, through a weak reference), the communicator, the numpy view, the MPI
@@ -37,13 +40,12 @@ def _drop(key: int, ref) -> None:
 
 
 def _handles(comm, arr, mop):
-    """(communicator, datatype, op) as the ints MPI_Allreduce takes, for the C hit: the
-    datatype mpi4py itself picks for the view's typecode (a predefined one, alive as long as
-    mpi4py). None where it has none (then only the Python hit runs the plan)."""
-    datatype = MPI._typedict.get(arr.dtype.char)
+    """(communicator, datatype, op) as the ints MPI_Allreduce takes, for the C hit. None where
+    the view's type has no predefined MPI datatype (then only the Python hit runs the plan)."""
+    datatype = datatype_handle(arr)
     if datatype is None:
         return None
-    return MPI._handleof(comm.mpi), MPI._handleof(datatype), MPI._handleof(mop)
+    return MPI._handleof(comm.mpi), datatype, MPI._handleof(mop)
 
 
 def make_plan(tensor, group, comm, arr, mop) -> None:
@@ -70,12 +72,107 @@ def hit_py(tensor, group) -> bool:
     plan = plans.get(id(tensor))
     if plan is not None and (plan[2] is group or plan[3] is group) \
             and plan[0]() is tensor and plan[1] == tensor.data_ptr() \
-            and plan[4] == tensor.numel() and plan[3].mpi is plan[5]:
+            and plan[4] == tensor.numel() and plan[3].mpi is plan[5] \
+            and tensor.is_contiguous():   # an in-place as_strided_ keeps memory and size
         entry = record(plan[3], "all_reduce", plan[6], plan[7])
         plan[5].Allreduce(IN_PLACE, plan[8], plan[9])
         record_end(entry)
         return True
     return False
+
+
+# -- exchange plans ----------------------------------------------------------------------------
+# The blocking all_to_all_single (even blocks), all_gather and all_to_all (list forms) of the
+# same tensors, called again: most of their fixed cost was Python checking what it had checked
+# before (as_array per tensor, dtypes, sizes, the layout), 4-7 us of a call at 8 B and about
+# twice that at 1 MiB (`python -m hpcddp.bench.dispatch`). A plan keeps, per call, what those
+# checks found; a hit verifies every tensor is the same object with the same memory, element
+# count and contiguity, on the same live communicator, then records the op and runs it.
+A2A_SINGLE, ALL_GATHER, ALL_TO_ALL = range(3)
+PLANNED_OPS = ("all_reduce", "all_to_all_single", "all_gather", "all_to_all")
+xplans: tuple = ({}, {}, {})   # per kind: id(first tensor of the call) -> plan
+# plan layout (read by xhit_py and by _fastpath.c, whose enum names these)
+(X_REFS, X_PTRS, X_NUMELS, X_GROUP, X_COMM, X_MPI, X_OP, X_SHAPE, X_DTYPE, X_RUN,
+ X_PROG, X_LEN) = range(12)
+# X_PROG, what the C hit runs (None: only the Python hit runs the plan):
+#   (ALLTOALLV, comm, datatype, int32 [send counts, send displs, recv counts, recv displs]):
+#       MPI_Ialltoallv + MPI_Wait from the call's tensor 1 into its tensor 0
+#   (SENDRECV, comm, datatype, int64 [copy dst, copy src, copy bytes, then per step: send
+#       pointer, count, dst, recv pointer, count, src]): the own-block memcpy, then
+#       MPI_Sendrecv steps with tag TAG (hpcddp.collectives._lists._exchange)
+ALLTOALLV, SENDRECV = range(2)
+
+
+_seen: tuple = ({}, {}, {})     # per kind: id(first tensor) -> (ids of the call's tensors, plans made)
+MAX_REPLANS = 3
+
+
+def worth_planning(kind: int, tensors: tuple) -> bool:
+    """Whether the full path should plan this call: the second call in a row on the same
+    tensor objects (a list of fresh tensors per call never gets a plan, which would cost it
+    more than it saves), and not a key planned over and over (fresh tensors whose ids the
+    allocator reuses look the same by id: after MAX_REPLANS plans it stays unplanned)."""
+    table = _seen[kind]
+    key = id(tensors[0])
+    ids = tuple(map(id, tensors))
+    seen = table.get(key)
+    if seen is None or seen[0] != ids:
+        if len(table) >= MAX_PLANS:
+            table.clear()
+        table[key] = (ids, 0 if seen is None else seen[1])
+        return False
+    if seen[1] >= MAX_REPLANS:
+        return False
+    table[key] = (ids, seen[1] + 1)
+    return True
+
+
+def make_xplan(kind: int, tensors: tuple, group, comm, op: str, shape, dtype, run,
+               prog) -> None:
+    """Remember a validated blocking call of KIND on TENSORS (in the call's order) reached
+    through GROUP: RUN() does its MPI work in Python, PROG (or None) in C."""
+    rt = _rt._runtime
+    if rt is not None and comm is rt.world:
+        group = None
+    key = id(tensors[0])
+    table = xplans[kind]
+    if len(table) >= MAX_PLANS:
+        table.clear()
+    # the first tensor's death drops the plan; the others are only compared
+    refs = (weakref.ref(tensors[0], lambda r, k=key, tb=table: _xdrop(tb, k, r)),
+            *(weakref.ref(t) for t in tensors[1:]))
+    table[key] = (refs, tuple(t.data_ptr() for t in tensors), tuple(t.numel() for t in tensors),
+                  group, comm, comm.mpi, op, shape, dtype, run, prog)
+
+
+def _xdrop(table: dict, key: int, ref) -> None:
+    plan = table.get(key)
+    if plan is not None and plan[X_REFS][0] is ref:
+        del table[key]
+
+
+def xhit_py(kind: int, tensors: tuple, group) -> bool:
+    """Run the planned blocking call of KIND on TENSORS and answer True, or answer False when
+    there is no plan or it no longer holds (the caller takes the full path)."""
+    plan = xplans[kind].get(id(tensors[0]))
+    if plan is None or not (plan[X_GROUP] is group or plan[X_COMM] is group) \
+            or plan[X_COMM].mpi is not plan[X_MPI] or len(tensors) != len(plan[X_REFS]):
+        return False
+    for t, ref, ptr, numel in zip(tensors, plan[X_REFS], plan[X_PTRS], plan[X_NUMELS]):
+        if ref() is not t or t.data_ptr() != ptr or t.numel() != numel \
+                or not t.is_contiguous():
+            return False
+    entry = record(plan[X_COMM], plan[X_OP], plan[X_SHAPE], plan[X_DTYPE])
+    plan[X_RUN]()
+    record_end(entry)
+    return True
+
+
+def datatype_handle(arr):
+    """The MPI datatype mpi4py picks for a numpy view, as the int the C hit takes (None where
+    mpi4py has no predefined one)."""
+    datatype = MPI._typedict.get(arr.dtype.char)
+    return None if datatype is None else MPI._handleof(datatype)
 
 
 def _load_c():
@@ -91,19 +188,19 @@ def _load_c():
     if ours.split("\n")[0].strip() != theirs.split("\n")[0].strip():
         return None, (f"built against another MPI ({ours.splitlines()[0]!r}) than mpi4py's "
                       f"({theirs.splitlines()[0]!r}): reinstall hpcddp")
-    _fastpath.configure(plans, _rec.RECORDER.buf, _rec.RECORDER._slots, _rec.TICK,
+    _fastpath.configure(plans, xplans, _rec.RECORDER.buf, _rec.RECORDER._slots, _rec.TICK,
                         MPI.Exception)
-    return _fastpath.all_reduce_sum, ""
+    return _fastpath, ""
 
 
 MODE = _node.read_mode(ENV_MODE)
 if MODE == "0":
-    hit, WHY_PYTHON = hit_py, f"{ENV_MODE}=0"
+    _c, WHY_PYTHON = None, f"{ENV_MODE}=0"
 else:
-    hit, WHY_PYTHON = _load_c()
-    if hit is None:
-        if MODE == "force":
-            raise ImportError(f"{ENV_MODE}=force: the C all_reduce hit cannot run: {WHY_PYTHON}")
-        hit = hit_py
+    _c, WHY_PYTHON = _load_c()
+    if _c is None and MODE == "force":
+        raise ImportError(f"{ENV_MODE}=force: the C all_reduce hit cannot run: {WHY_PYTHON}")
+hit = hit_py if _c is None else _c.all_reduce_sum
+xhit = xhit_py if _c is None else _c.exchange
 # "C" or "Python (why)": `hpcddp info` and the benchmarks' setup print it
 KIND = "C" if hit is not hit_py else f"Python ({WHY_PYTHON})"

@@ -4,16 +4,20 @@ Signatures and semantics follow torch.distributed; all members of the group call
 """
 from __future__ import annotations
 
+from array import array
 from itertools import accumulate
 
 import torch
 
 from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
+from hpcddp.collectives import _plans
+from hpcddp.collectives._plans import A2A_SINGLE, ALL_TO_ALL, xhit as _xhit
 from hpcddp.collectives._common import (as_array, as_arrays, check_list, finish_or_work,
                                         record, resolve)
 from hpcddp.collectives import _device
 from hpcddp.comm.buffers import DeviceTensor
+from hpcddp.comm._mpi import MPI
 
 _even: dict = {}   # (group size, elements) -> (counts, displacements) of even blocks
 
@@ -53,6 +57,22 @@ def v_layout(output, input, output_split_sizes, input_split_sizes, n: int, r: in
             rcounts, list(accumulate(rcounts[:-1], initial=0)))
 
 
+def _plan_even(output, input, group, comm, out, inp, layout) -> None:
+    """Plan the validated even-blocks call (OUT, INP: the views) for the next one."""
+    mpi = comm.mpi
+    counts, displs = layout
+    spec = (counts, displs)
+
+    def run():
+        mpi.Ialltoallv([inp, spec], [out, spec]).Wait()
+    datatype = _plans.datatype_handle(inp)
+    prog = None if datatype is None else (
+        _plans.ALLTOALLV, MPI._handleof(mpi), datatype,
+        array("i", counts + displs + counts + displs).tobytes(), 0)
+    _plans.make_xplan(A2A_SINGLE, (output, input), group, comm, "all_to_all", input.shape,
+                      input.dtype, run, prog)
+
+
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
     """Split INPUT along dim 0 and send block j to rank j; receive into OUTPUT in rank order.
@@ -61,6 +81,11 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     rank's INPUT, concatenated in rank order.
     """
     fn = "all_to_all_single"
+    # hot path: the same blocking even-blocks call again (hpcddp.collectives._plans)
+    if not async_op and (input_split_sizes is None or len(input_split_sizes) == 0) \
+            and (output_split_sizes is None or len(output_split_sizes) == 0) \
+            and _xhit(A2A_SINGLE, (output, input), group):
+        return None
     comm = resolve(group, fn)
     try:
         out = as_array(output, fn, "output")
@@ -90,11 +115,14 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             layout = _even[(n, inp.size)] = ([c] * n, [c * j for j in range(n)])
         scounts, sdis = rcounts, rdis = layout
     else:
+        layout = None
         scounts, sdis, rcounts, rdis = v_layout(output, input, output_split_sizes,
                                                 input_split_sizes, n, r, fn)
     if inp.size and output.data_ptr() == input.data_ptr():
         raise ValueError(f"{fn}: output and input are the same memory; an all-to-all reads "
                          f"input while it writes output: pass separate tensors")
+    if layout is not None and inp.size and _plans.worth_planning(A2A_SINGLE, (output, input)):
+        _plan_even(output, input, group, comm, out, inp, layout)
     entry = record(comm, "all_to_all", input.shape, input.dtype)
     # MPI_Alltoallv on every rank, even splits or not: each rank knows only its own splits,
     # and MPI_Alltoall on a rank with even ones against MPI_Alltoallv on a peer with uneven
@@ -107,6 +135,11 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
     """Send INPUT_TENSOR_LIST[j] to rank j; receive rank j's into OUTPUT_TENSOR_LIST[j]."""
     fn = "all_to_all"
+    # hot path: the same blocking call on the same tensors again (hpcddp.collectives._plans)
+    if not async_op and type(output_tensor_list) in _lists.SEQUENCES \
+            and type(input_tensor_list) in _lists.SEQUENCES and output_tensor_list \
+            and _xhit(ALL_TO_ALL, (*output_tensor_list, *input_tensor_list), group):
+        return None
     comm = resolve(group, fn)
     n = comm.size
     check_list(input_tensor_list, n, fn, "input_tensor_list")
@@ -121,7 +154,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     if _lists.use_p2p(comm):  # zero-copy: each block straight from/into its tensor
         entry = record(comm, "all_to_all", ref.shape, ref.dtype)
         return _lists.all_to_all(output_tensor_list, input_tensor_list, outs, ins, comm,
-                                 async_op, entry)
+                                 async_op, entry, group)
     flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
     flat_out = torch.empty(sum(t.numel() for t in output_tensor_list), dtype=ref.dtype)
     scounts = [t.numel() for t in input_tensor_list]

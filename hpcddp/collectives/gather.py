@@ -11,6 +11,7 @@ import torch
 from hpcddp.collectives import _cma
 from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
+from hpcddp.collectives._plans import ALL_GATHER, xhit as _xhit
 from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, check_list,
                                         finish_or_work, record, record_end, resolve, same_spec)
 from hpcddp.collectives import _device
@@ -88,6 +89,10 @@ def _scatter_copy(flat: torch.Tensor, outputs) -> None:
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     """Every rank's TENSOR into TENSOR_LIST (one tensor per rank, rank order), on every rank."""
+    # hot path: the same blocking call on the same tensors again (hpcddp.collectives._plans)
+    if not async_op and type(tensor_list) in _lists.SEQUENCES \
+            and _xhit(ALL_GATHER, (tensor, *tensor_list), group):
+        return None
     comm = resolve(group, "all_gather")
     try:
         send = as_array(tensor, "all_gather", "tensor")
@@ -101,7 +106,8 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
                              f"{send.size} (tensor's; every rank sends the same size)")
     if _lists.use_p2p(comm, send.size):  # zero-copy: each block straight into its tensor
         entry = record(comm, "all_gather", tensor.shape, tensor.dtype)
-        return _lists.all_gather(tensor_list, tensor, views, send, comm, async_op, entry)
+        return _lists.all_gather(tensor_list, tensor, views, send, comm, async_op, entry,
+                                 group)
     flat = torch.empty(tensor.numel() * comm.size, dtype=tensor.dtype)
     entry = record(comm, "all_gather", tensor.shape, tensor.dtype)
     reqs = (_large.allgather(comm, as_array(tensor), as_array(flat)) if _large.too_big(flat)

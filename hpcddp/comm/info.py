@@ -52,6 +52,7 @@ def collect_info() -> dict | None:
                 "mpi4py": mpi4py.__version__},
         "cuda_aware": _cuda_aware(),
         "all_reduce_hit": _plans.KIND,    # "C" or "Python (why)": setup.py, docs/install.md
+        "plan_hit_ops": list(_plans.PLANNED_OPS),
         "torch": torch.__version__,
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if cuda else [],
@@ -72,7 +73,7 @@ def format_info(info: dict) -> str:
         f"MPI        {m['library']}: {m['version']}",
         f"threads    {m['thread_level']} (asked {m['thread_level_requested']}); mpi4py {m['mpi4py']}",
         f"CUDA-aware {info['cuda_aware']}",
-        f"all_reduce repeat calls in {info['all_reduce_hit']}",
+        f"repeat calls ({', '.join(info['plan_hit_ops'])}) in {info['all_reduce_hit']}",
         f"torch      {info['torch']}; CUDA devices: "
         f"{', '.join(info['cuda_devices']) if info['cuda_devices'] else 'none'}",
         f"data       h5py {info['h5py']}, lmdb {info['lmdb']}; python {info['python']}",

@@ -1,5 +1,5 @@
-"""The C all_reduce plan hit (hpcddp/collectives/_fastpath.c): built, chosen, and refusing
-whatever the plan does not cover. One process (a singleton MPI world of 1 rank, where an
+"""The C plan hits (hpcddp/collectives/_fastpath.c): built, chosen, and refusing whatever the
+plan does not cover. One process (a singleton MPI world of 1 rank, where an
 all_reduce leaves the tensor as it was): what each call answers and what it records. The
 results across ranks, with the Python hit beside it: tests/test_bench_fastpaths.py."""
 import os
@@ -85,6 +85,40 @@ HIT = r'''
     seq = world.seq
     u = torch.ones(4, dtype=torch.bfloat16)      # a user-defined MPI op (bf16 SUM)
     hpcddp.all_reduce(u); assert hit(u, None) is True and world.seq == seq + 2
+    big = torch.zeros(8)
+    v = big[:4]
+    hpcddp.all_reduce(v); assert hit(v, None) is True
+    v.as_strided_((4,), (2,))                    # same memory and size, not one block
+    assert hit(v, None) is False
+
+    # the exchange hit (all_to_all_single on a world of one: a copy through MPI)
+    x, A2A = _plans.xhit, _plans.A2A_SINGLE
+    assert x is _fastpath.exchange
+    inp, out = torch.arange(4.0), torch.zeros(4)
+    hpcddp.all_to_all_single(out, inp)           # seen once: no plan for a single call
+    assert x(A2A, (out, inp), None) is False and id(out) not in _plans.xplans[A2A]
+    hpcddp.all_to_all_single(out, inp)           # the same tensors again: planned
+    out.zero_(); seq = world.seq
+    assert x(A2A, (out, inp), None) is True and x(A2A, (out, inp), world) is True
+    assert torch.equal(out, inp) and world.seq == seq + 2
+    e = max((e for e in REC.RECORDER.buf if e is not None), key=lambda e: e[0])
+    assert e[:6] == [seq + 2, "all_to_all", world, inp.shape, inp.dtype, None] and e[7] != 0.0, e
+    assert x(A2A, (out, inp), other) is False    # another group
+    assert x(A2A, (out, torch.arange(4.0)), None) is False   # another input tensor
+    assert x(A2A, (out,), None) is False         # another number of tensors
+    assert x(_plans.ALL_GATHER, (out, inp), None) is False   # another kind
+    inp.set_(torch.ones(4))
+    assert x(A2A, (out, inp), None) is False     # the input's memory replaced
+    for bad, why in (((A2A, (out, inp)), "expected an int kind, a non-empty tuple"),
+                     ((A2A, [out, inp], None), "expected an int kind, a non-empty tuple"),
+                     ((A2A, (), None), "expected an int kind, a non-empty tuple"),
+                     ((7, (out, inp), None), "kind 7 is not a plan kind")):
+        try:
+            x(*bad)
+        except (TypeError, ValueError) as err:
+            assert why in str(err), err
+        else:
+            raise AssertionError(f"exchange{bad!r} accepted")
     print("HIT OK")
 '''
 
