@@ -1,10 +1,10 @@
-"""Build hpcddp's one C module, the all_reduce plan hit (hpcddp/collectives/_fastpath.c).
+"""Build hpcddp's one C module, the plan hits (hpcddp/collectives/_fastpath.c).
 
 Everything else is declared in setup.cfg. The module is optional: it is compiled and linked
 with the MPI compiler wrapper ($MPICC, else the mpicc next to this Python, else mpicc on
 PATH), which must be the MPI that mpi4py runs on (on a cluster: the module-loaded MPI, as for
 mpi4py itself). Without one, or if the build fails, hpcddp installs as pure Python and
-all_reduce takes the Python path (`hpcddp info` says which; docs/install.md).
+the plan hits take the Python path (`hpcddp info` says which; docs/install.md).
 """
 import os
 import shutil
@@ -27,7 +27,7 @@ class BuildWithMPICC(build_ext):
     def build_extensions(self):
         mpicc = find_mpicc()
         if mpicc is None:
-            print("hpcddp: no MPI C compiler ($MPICC, mpicc): the C all_reduce hit is not "
+            print("hpcddp: no MPI C compiler ($MPICC, mpicc): the C plan hits are not "
                   "built; hpcddp runs its Python path", file=sys.stderr)
             return
         # mpicc adds MPI's include and link flags to the compiler Python was built with

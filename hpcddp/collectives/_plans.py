@@ -17,6 +17,7 @@ checks ~0.25, the flight-recorder entry ~0.25, the calls), the C hit ~0.1 us
 (``hpcddp bench comm``; docs/benchmarks.md). ``HPCDDP_FASTPATH=0`` keeps the Python hit,
 ``force`` refuses to start without the C one (tests/unit/test_fastpath.py checks the
 development venv has it: a build that silently fell back would leave this path slow).
+:data:`xhit`, the exchange plans' hit, is C or :func:`xhit_py` with the same choice.
 """
 from __future__ import annotations
 
