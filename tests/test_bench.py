@@ -165,6 +165,25 @@ def test_docs_dispatch_table_is_the_committed_run():
     assert seen == len(names)
 
 
+def test_docs_exchange_plan_table_quotes_the_committed_run():
+    """The "now" columns of docs/benchmarks.md's exchange-plan table are comm.json's figures
+    (the "before" columns are the page's previous run, git show 4b63d1e:docs/benchmarks/comm.json)."""
+    page = open(os.path.join(DOCS, "benchmarks.md")).read()
+    with open(os.path.join(DOCS, "benchmarks", "comm.json")) as f:
+        cells = {(c["op"], c["bytes"]): c for c in json.load(f)["cells"]}
+    names = {"all_gather (list)": "all_gather", "all_to_all (list)": "all_to_all",
+             "all_to_all_single": "all_to_all_single"}
+    seen = 0
+    for line in page.splitlines():
+        row = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(row) == 5 and row[0] in names:
+            now = [f"{cells[(names[row[0]], size)]['ratios']['direct/mpi4py']['median']:.2f}"
+                   for size in (8, 1 << 20)]
+            assert [row[2], row[4]] == now, (row, now)
+            seen += 1
+    assert seen == len(names)
+
+
 def test_compare_flags_only_real_regressions(tmp_path):
     old = report.summarize(_fake_comm())
     same, _ = report.compare(report.summarize(_fake_comm()), old)
