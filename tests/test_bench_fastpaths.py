@@ -102,6 +102,13 @@ SCRIPT = textwrap.dedent(r'''
         same(x, torch.full((3,), float(n * (n + 1) // 2)), f"async direct #{i}")
         dist.all_reduce(x, async_op=True).wait()
         same(x, torch.full((3,), float(n * n * (n + 1) // 2)), f"async dist #{i}")
+    x = torch.ones(3)                         # a float plan, then its memory as int32
+    hpcddp.all_reduce(x); hpcddp.all_reduce(x)
+    x.data = x.view(torch.int32)              # same memory and size: the plan must not run
+    x.fill_(1 << 24 | r)                      # a normal float's bits: float sums differ
+    hpcddp.all_reduce(x)
+    same(x, torch.full((3,), n * (1 << 24) + n * (n - 1) // 2, dtype=torch.int32),
+         "int32 view after a float plan")
     x = torch.full((3,), float(r + 1))
     hpcddp.all_reduce(x, op=AVG); same(x, torch.full((3,), (n + 1) / 2), "AVG")
     i32 = torch.full((3,), r + 1, dtype=torch.int32)

@@ -31,7 +31,7 @@
 /* set once by configure(): the all_reduce plans dict, the exchange plans (a tuple of dicts,
    one per kind), the recorder's ring, its slot cycle, its clock, and mpi4py's exception class */
 static PyObject *plans, *xplans, *ring, *slots, *tick, *mpi_exception;
-static PyObject *s_op, *s_data_ptr, *s_numel, *s_is_contiguous, *s_seq, *s_mpi;
+static PyObject *s_op, *s_data_ptr, *s_numel, *s_is_contiguous, *s_dtype, *s_seq, *s_mpi;
 
 enum { P_REF, P_PTR, P_GROUP, P_COMM, P_NUMEL, P_MPI, P_SHAPE, P_DTYPE, P_VIEW, P_OP,
        P_HANDLES, P_LEN };
@@ -166,6 +166,15 @@ static PyObject *run_plan(PyObject *plan, PyObject *tensor, PyObject *group) {
     if (eq == 1)
         eq = tensor_holds(tensor, PyTuple_GET_ITEM(plan, P_REF), PyTuple_GET_ITEM(plan, P_PTR),
                           PyTuple_GET_ITEM(plan, P_NUMEL));
+    if (eq == 1) {
+        /* a reduction's MPI op and datatype are the dtype's: `t.data = t.view(torch.int32)`
+           keeps memory and size (torch dtypes are singletons: identity) */
+        PyObject *dtype = PyObject_GetAttr(tensor, s_dtype);
+        if (dtype == NULL)
+            return NULL;
+        eq = dtype == PyTuple_GET_ITEM(plan, P_DTYPE);
+        Py_DECREF(dtype);
+    }
     if (eq < 0)
         return NULL;
     if (eq == 0)
@@ -373,9 +382,10 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     s_data_ptr = PyUnicode_InternFromString("data_ptr");
     s_numel = PyUnicode_InternFromString("numel");
     s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    s_dtype = PyUnicode_InternFromString("dtype");
     s_seq = PyUnicode_InternFromString("seq");
     s_mpi = PyUnicode_InternFromString("mpi");
-    if (!s_op || !s_data_ptr || !s_numel || !s_is_contiguous || !s_seq || !s_mpi)
+    if (!s_op || !s_data_ptr || !s_numel || !s_is_contiguous || !s_dtype || !s_seq || !s_mpi)
         return NULL;
     return PyModule_Create(&module);
 }

@@ -74,7 +74,8 @@ def hit_py(tensor, group) -> bool:
     if plan is not None and (plan[2] is group or plan[3] is group) \
             and plan[0]() is tensor and plan[1] == tensor.data_ptr() \
             and plan[4] == tensor.numel() and plan[3].mpi is plan[5] \
-            and tensor.is_contiguous():   # an in-place as_strided_ keeps memory and size
+            and tensor.is_contiguous() and tensor.dtype is plan[7]:
+        # in-place as_strided_ and `t.data = t.view(torch.int32)` keep memory and size
         entry = record(plan[3], "all_reduce", plan[6], plan[7])
         plan[5].Allreduce(IN_PLACE, plan[8], plan[9])
         record_end(entry)

@@ -91,10 +91,11 @@ def _forget(key: int, ref) -> None:
 def cached_view(t) -> np.ndarray | None:
     """as_array's view of T if T was validated before and is unchanged since, else None."""
     entry = _views.get(id(t))
-    # same object, same memory, same size, still one block: t.resize_() to fewer elements
-    # keeps data_ptr, and in-place t.t_() / as_strided_() keep data_ptr and size
+    # same object, same memory, same size, still one block, same dtype: t.resize_() to fewer
+    # elements keeps data_ptr, in-place t.t_() / as_strided_() keep data_ptr and size, and
+    # `t.data = t.view(torch.int32)` keeps both (torch dtypes are singletons: identity)
     if entry is not None and entry[0]() is t and entry[1] == t.data_ptr() \
-            and entry[2].size == t.numel() and t.is_contiguous():
+            and entry[2].size == t.numel() and t.is_contiguous() and t.dtype is entry[3]:
         return entry[2]
     return None
 
@@ -122,7 +123,7 @@ def as_array(t: torch.Tensor, fn: str = "hpcddp", arg: str = "tensor") -> np.nda
         _views.clear()
     key = id(t)
     ref = weakref.ref(t, lambda r, k=key: _forget(k, r))
-    _views[key] = (ref, t.data_ptr(), arr)
+    _views[key] = (ref, t.data_ptr(), arr, t.dtype)
     return arr
 
 

@@ -90,6 +90,10 @@ HIT = r'''
     hpcddp.all_reduce(v); assert hit(v, None) is True
     v.as_strided_((4,), (2,))                    # same memory and size, not one block
     assert hit(v, None) is False
+    w = torch.ones(4)
+    hpcddp.all_reduce(w); assert hit(w, None) is True
+    w.data = w.view(torch.int32)                 # same memory and size, another dtype
+    assert hit(w, None) is False and _plans.hit_py(w, None) is False
 
     # the exchange hit (all_to_all_single on a world of one: a copy through MPI)
     x, A2A = _plans.xhit, _plans.A2A_SINGLE
