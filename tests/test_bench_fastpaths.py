@@ -4,6 +4,8 @@
   never outlive what it describes (tensor resized, memory swapped, another group, a freed
   group, another op, a dead tensor whose id is reused, async and blocking, direct API and
   torch.distributed on the same tensor), and a hit is recorded like any op;
+- point-to-point plans (C only): isend/irecv/send/recv of the same tensor again, its P2PWork
+  (wait, is_completed, get_future, source_rank, dropped unwaited), through torch and direct;
 - zero-copy list forms (hpcddp.collectives._lists): all_gather, all_to_all, reduce_scatter
   on separate tensors, views of one buffer, an output that is the input, async, AVG, and
   an op that falls back to the flat path (MAX).
@@ -268,6 +270,119 @@ SCRIPT = textwrap.dedent(r'''
     e0 = last(); hpcddp.all_to_all_single(y, x); e1 = last()   # a hit is recorded
     assert e1[:6] == [e0[0] + 1, "all_to_all", world, x.shape, x.dtype, None] and e1[7] != 0.0, \
         (e0, e1)
+
+    # -- point-to-point plans: the same tensor sent / received into again ---------------------
+    import gc
+    ISEND, IRECV, SEND, RECV = _plans.ISEND, _plans.IRECV, _plans.SEND, _plans.RECV
+    C = EXPECT_KIND == "C"
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    p2p_last = lambda: max((e for e in REC.RECORDER.buf if e is not None and e[1] in ("send", "recv")
+                            and e[2] is world), key=lambda e: e[0])
+
+    def ring(s, d, i, api=hpcddp, src=prv, **kw):
+        w1 = api.isend(s, nxt, **kw); w2 = api.irecv(d, src, **kw)
+        assert w1.wait() is True and w2.wait() is True, i
+        return w1, w2
+
+    for dtype in (torch.float32, torch.int64, torch.bfloat16, torch.bool, torch.complex64):
+        s = torch.zeros(5, dtype=dtype); d = torch.zeros(5, dtype=dtype)
+        for i in range(4):
+            s.copy_((torch.arange(5) + 10 * r + i) % 2 == 0 if dtype == torch.bool
+                    else (torch.arange(5) + 10 * r + i).to(dtype))
+            w1, w2 = ring(s, d, i)
+            want = ((torch.arange(5) + 10 * prv + i) % 2 == 0 if dtype == torch.bool
+                    else (torch.arange(5) + 10 * prv + i).to(dtype))
+            same(d, want, f"p2p ring {dtype} #{i}")
+            assert (type(w1).__name__ == "P2PWork") == C, (type(w1), EXPECT_KIND)
+        assert (id(s) in _plans.pplans[0] and id(d) in _plans.pplans[1]) == C, dtype
+    s = torch.arange(6.0) + 100 * r; d = torch.zeros(6)
+    for i in range(2):
+        ring(s, d, i)
+    w1 = hpcddp.isend(s, nxt); e = p2p_last()
+    assert e[1:6] == ["send", world, s.shape, s.dtype, nxt] and e[7] == 0.0, e   # a hit recorded
+    w2 = hpcddp.irecv(d, prv)
+    assert w2.source_rank() == prv and w1.wait() and e[7] != 0.0, e
+    assert w1.is_completed() and w1.is_success() and w1.exception() is None
+    assert w1.result()[0] is s and w2.get_future().wait()[0] is d
+    same(d, torch.arange(6.0) + 100 * prv, "p2p after a recorded hit")
+    try:
+        w1.source_rank()
+    except RuntimeError as e:
+        assert "only a recv" in str(e), e
+    else:
+        raise AssertionError("a send's source_rank")
+    for i in range(3):                        # any source, polled with is_completed()
+        s.fill_(r + i); w1 = hpcddp.isend(s, nxt); w2 = hpcddp.irecv(d, None)
+        while not w2.is_completed():
+            pass
+        assert w2.source_rank() == prv and w1.wait(); same(d, torch.full((6,), float(prv + i)), "any")
+    for i in range(3):                        # another tag on the same tensors: matched by tag
+        s.fill_(r + 7 * i); ring(s, d, i, tag=3 + i); same(d, torch.full((6,), float(prv + 7 * i)), "tag")
+    if C:
+        assert _plans.phit(ISEND, s, nxt, 99, None) is False, "hit with another tag"
+        assert _plans.phit(ISEND, s, True, 5, None) is False, "a bool peer hit"
+        if n > 2:
+            assert _plans.phit(ISEND, s, prv, 5, None) is False, "hit with another peer"
+    s.set_(torch.full((4,), float(r)))        # new memory, fewer elements: both sides
+    d.set_(torch.full((4,), -1.0))
+    if C:
+        assert _plans.phit(ISEND, s, nxt, 5, None) is False, "hit after set_"
+    ring(s, d, "set_"); same(d, torch.full((4,), float(prv)), "p2p after set_")
+    s.resize_(2); d.resize_(2)                # a stale count would send 4 into 2: truncation
+    ring(s, d, "resize_"); same(d, torch.full((2,), float(prv)), "p2p after resize_")
+    ring(s, d, "resize_ again"); same(d, torch.full((2,), float(prv)), "p2p after resize_ x2")
+    f = torch.full((2,), 1.5); g = torch.zeros(2)
+    ring(f, g, 0); ring(f, g, 1)
+    f.data = f.view(torch.int32); g.data = g.view(torch.int32)   # same memory, another dtype
+    if C:
+        assert _plans.phit(ISEND, f, nxt, 0, None) is False, "hit after a dtype change"
+    f.fill_(r); ring(f, g, "int32 view"); same(g, torch.full((2,), prv, dtype=torch.int32), "i32")
+    for i in range(3):                        # blocking send/recv, the same tensors
+        b = torch.full((3,), float(r * 10 + i)); c = torch.zeros(3)
+        if r == 0:
+            hpcddp.send(b, 1); assert hpcddp.recv(c, None) == 1
+        elif r == 1:
+            assert hpcddp.recv(c, 0) == 0; hpcddp.send(b, 0)
+        if r < 2:
+            same(c, torch.full((3,), float((1 - r) * 10 + i)), f"blocking p2p #{i}")
+    b = torch.ones(3); c = torch.zeros(3)
+    for i in range(3):
+        if r == 0:
+            b.fill_(i); hpcddp.send(b, 1); dist.send(b, 1)
+        elif r == 1:
+            assert hpcddp.recv(c, 0) == 0; same(c, torch.full((3,), float(i)), "recv")
+            c.zero_(); assert dist.recv(c, None) == 0; same(c, torch.full((3,), float(i)), "dist")
+    dist.barrier()                            # no ring message may meet the any-source recvs
+    for i in range(3):                        # torch.distributed on the planned tensors
+        s.fill_(r + i); d.zero_()
+        w = dist.isend(s, nxt); assert isinstance(w, dist.Work)
+        dist.irecv(d, prv).wait(); w.wait(); same(d, torch.full((2,), float(prv + i)), "dist p2p")
+    for i in range(20):                       # fresh tensors every call
+        d2 = torch.zeros(2)
+        ring(torch.full((2,), float(r + i)), d2, i); same(d2, torch.full((2,), float(prv + i)), "fresh")
+    s = torch.full((3,), float(r)); d = torch.zeros(3)
+    for i in range(3):                        # a Work dropped unwaited: MPI finishes it
+        hpcddp.isend(s, nxt)
+        gc.collect()
+        assert hpcddp.irecv(d, prv).wait(); same(d, torch.full((3,), float(prv)), f"dropped #{i}")
+    if r in (0, 1):                           # a freed group: an error, not MPI on a dead handle
+        sub3 = hpcddp.Communicator(world.mpi.Create(world.mpi.group.Incl([0, 1])), "p2p-sub")
+        x = torch.full((2,), float(r)); y = torch.zeros(2)
+        for i in range(3):
+            ring2 = [hpcddp.isend(x, 1 - r, group=sub3), hpcddp.irecv(y, 1 - r, group=sub3)]
+            for w in ring2: w.wait()
+            same(y, torch.full((2,), float(1 - r)), "p2p on a sub group")
+        if C:
+            assert _plans.phit(ISEND, x, 1 - r, 0, None) is False, "the world hit a sub's plan"
+        sub3.free()
+        try:
+            hpcddp.isend(x, 1 - r, group=sub3)
+        except ValueError as e:
+            assert "destroyed" in str(e), e
+        else:
+            raise AssertionError("isend ran on a freed group")
+    else:
+        world.mpi.Create(world.mpi.group.Incl([0, 1]))
     dist.barrier()
     if r == 0:
         print("FASTPATHS OK", flush=True)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hpcddp import collectives as C
-from hpcddp.collectives.work import CompletedWork, Work
+from hpcddp.collectives.work import CompletedWork, TorchP2PWork, Work
 from hpcddp.comm.buffers import as_array
 from hpcddp.comm.communicator import Communicator
 
@@ -32,6 +32,11 @@ def _combine(works, result) -> Work:
             with w._lock:
                 w._complete()
     return Work(reqs, result, finish)
+
+
+def _for_torch(work):
+    """WORK as torch's C++ side takes it: the C P2PWork of isend/irecv gets a torch Work over it."""
+    return work if isinstance(work, dist._Work) else TorchP2PWork(work)
 
 
 def _blocking(opts) -> bool:
@@ -159,10 +164,10 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
         return C.monitored_barrier(self.hpcddp_comm, timeout, wait_all_ranks)
 
     def send(self, tensors, dst, tag=0):
-        return C.isend(tensors[0], dst, self.hpcddp_comm, tag)
+        return _for_torch(C.isend(tensors[0], dst, self.hpcddp_comm, tag))
 
     def recv(self, tensors, src, tag=0):
-        return C.irecv(tensors[0], src, self.hpcddp_comm, tag)
+        return _for_torch(C.irecv(tensors[0], src, self.hpcddp_comm, tag))
 
     def recv_anysource(self, tensors, tag=0):
-        return C.irecv(tensors[0], None, self.hpcddp_comm, tag)
+        return _for_torch(C.irecv(tensors[0], None, self.hpcddp_comm, tag))

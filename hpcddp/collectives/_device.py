@@ -431,7 +431,7 @@ def isend(tensor, dst, comm, tag, ctx: DeviceCtx = _DEFAULT):
     _one_device(fn, [("tensor", tensor)])
     if _route(ctx, fn, tensor) == STAGING:
         return _run_staged(ctx, tensor, [(tensor, True, False)],
-                           lambda h: P.isend(h[0], dst, comm, tag), True, [tensor])
+                           lambda h: P._isend(h[0], dst, comm, tag, False), True, [tensor])
     P._check_peer(comm, dst, fn, "dst")
     P._check_tag(tag, fn)
     entry = rec(comm, "send", tensor.shape, tensor.dtype, dst)
@@ -463,7 +463,7 @@ def irecv(tensor, src, comm, tag, ctx: DeviceCtx = _DEFAULT):
     _one_device(fn, [("tensor", tensor)])
     if _route(ctx, fn, tensor) == STAGING:
         return _run_staged(ctx, tensor, [(tensor, False, True)],
-                           lambda h: P.irecv(h[0], src, comm, tag), True, [tensor])
+                           lambda h: P._irecv(h[0], src, comm, tag, False), True, [tensor])
     source = MPI.ANY_SOURCE if src is None else P._check_peer(comm, src, fn, "src")
     P._check_tag(tag, fn)
     entry = rec(comm, "recv", tensor.shape, tensor.dtype, src)

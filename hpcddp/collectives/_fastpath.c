@@ -11,6 +11,11 @@
  * against the plan, the entry, then the plan's program (MPI_Ialltoallv + MPI_Wait, or the own
  * block's memmove and MPI_Sendrecv steps) with the GIL released.
  *
+ * p2p() starts (or runs, when blocking) a planned isend/irecv/send/recv of a tensor used before
+ * with the same peer, tag and group; the non-blocking ones return a P2PWork, a Work whose
+ * wait() and is_completed() are MPI_Wait and MPI_Test here: a Python Work cost ~2.8 us to
+ * make and wait, as much as the rest of the call (docs/benchmarks.md, "Point-to-point plans").
+ *
  * The plan tuples are made by _plans (make_plan, make_xplan: their layouts are documented
  * there); this file reads them and never creates one. Both hits answer False whenever anything
  * differs from the plan (other object at that id, memory, element count, contiguity, group,
@@ -23,6 +28,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
+#include <pythread.h>
 #include <mpi.h>
 #include <limits.h>
 #include <stdint.h>
@@ -31,6 +38,9 @@
 /* set once by configure(): the all_reduce plans dict, the exchange plans (a tuple of dicts,
    one per kind), the recorder's ring, its slot cycle, its clock, and mpi4py's exception class */
 static PyObject *plans, *xplans, *ring, *slots, *tick, *mpi_exception;
+/* and the p2p plans (a tuple: send plans, recv plans), the recorder's p2p sequence numbers
+   (a dict: communicator uid -> last number) and hpcddp.collectives.work.future_of */
+static PyObject *pplans, *p2p_seq, *future_of;
 static PyObject *s_op, *s_data_ptr, *s_numel, *s_is_contiguous, *s_dtype, *s_seq, *s_mpi;
 
 enum { P_REF, P_PTR, P_GROUP, P_COMM, P_NUMEL, P_MPI, P_SHAPE, P_DTYPE, P_VIEW, P_OP,
@@ -39,6 +49,10 @@ enum { P_REF, P_PTR, P_GROUP, P_COMM, P_NUMEL, P_MPI, P_SHAPE, P_DTYPE, P_VIEW, 
 enum { X_REFS, X_PTRS, X_NUMELS, X_GROUP, X_COMM, X_MPI, X_OP, X_SHAPE, X_DTYPE, X_RUN,
        X_PROG, X_LEN };
 enum { ALLTOALLV, SENDRECV };
+/* p2p plans (_plans.make_pplan) and the ops p2p() runs (_plans: ISEND...) */
+enum { Q_REF, Q_PTR, Q_NUMEL, Q_DTYPE, Q_GROUP, Q_COMM, Q_MPI, Q_PEER, Q_TAG, Q_SHAPE, Q_UID,
+       Q_OP, Q_PROG, Q_LEN };
+enum { ISEND, IRECV, SEND, RECV };
 
 static int same_int(PyObject *value, PyObject *planned) {
     /* 1 if VALUE (a new reference, consumed) equals the plan's int, 0 if not, -1 on error */
@@ -205,15 +219,15 @@ static PyObject *run_plan(PyObject *plan, PyObject *tensor, PyObject *group) {
 
 /* the recorder's end() after the MPI call: on an error the entry stays in flight, as in
    Python, and mpi4py's exception is raised. Consumes ENTRY. */
+static void entry_done(PyObject *entry);
+
 static PyObject *record_end(PyObject *entry, int rc) {
     if (rc != MPI_SUCCESS) {
         Py_DECREF(entry);
         raise_mpi(rc);
         return NULL;
     }
-    PyObject *t_end = PyList_GET_ITEM(tick, 0);
-    Py_INCREF(t_end);
-    PyList_SetItem(entry, 7, t_end);
+    entry_done(entry);
     Py_DECREF(entry);
     Py_RETURN_TRUE;
 }
@@ -329,11 +343,362 @@ static PyObject *run_xplan(PyObject *plan, PyObject *tensors, PyObject *group) {
     return record_end(entry, rc);
 }
 
-static PyObject *configure(PyObject *self, PyObject *args) {
-    PyObject *p, *x, *r, *s, *t, *e;
-    if (!PyArg_ParseTuple(args, "O!O!O!OO!O:configure", &PyDict_Type, &p, &PyTuple_Type, &x,
-                          &PyList_Type, &r, &s, &PyList_Type, &t, &e))
+/* -- point-to-point ---------------------------------------------------------------------------
+ * P2PWork: the Work of a non-blocking send or recv started here. Its methods are those of
+ * torch's Work (hpcddp.collectives.work.Work); it is not a torch.distributed.Work instance
+ * (torch's C++ side takes only its own type: the backend wraps it, work.TorchP2PWork).
+ * One MPI request; LOCK serialises wait()/is_completed() between threads (MPI must not see two
+ * waits on one request); the GIL is released while MPI waits. */
+typedef struct {
+    PyObject_HEAD
+    MPI_Request req;
+    MPI_Status status;
+    int is_recv, done;
+    PyObject *result;      /* [tensor]: keeps the buffer alive while MPI may touch it */
+    PyObject *entry;       /* the flight-recorder entry */
+    PyObject *future;      /* get_future()'s torch Future (work.future_of sets it) */
+    PyThread_type_lock lock;
+} P2PWork;
+
+static PyTypeObject P2PWorkType;
+
+/* the recorder's end(): entry[7] = TICK[0] */
+static void entry_done(PyObject *entry) {
+    PyObject *t_end = PyList_GET_ITEM(tick, 0);
+    Py_INCREF(t_end);
+    PyList_SetItem(entry, 7, t_end);
+}
+
+/* after MPI_Wait/MPI_Test said the request is complete; caller holds the GIL and LOCK */
+static void work_completed(P2PWork *w) {
+    w->done = 1;
+    entry_done(w->entry);
+}
+
+/* wait for W's request: 0, or -1 with mpi4py's exception set (the entry stays in flight, as
+   in Work.wait) */
+static int work_finish(P2PWork *w) {
+    if (w->done)
+        return 0;
+    int rc = MPI_SUCCESS;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(w->lock, WAIT_LOCK);
+    if (!w->done)
+        rc = MPI_Wait(&w->req, &w->status);
+    Py_END_ALLOW_THREADS
+    if (rc == MPI_SUCCESS && !w->done)
+        work_completed(w);
+    PyThread_release_lock(w->lock);
+    if (rc != MPI_SUCCESS) {
+        raise_mpi(rc);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *work_wait(P2PWork *w, PyObject *args, PyObject *kw) {
+    static char *names[] = {"timeout", NULL};
+    PyObject *timeout = Py_None;          /* accepted as torch's; MPI_Wait has none */
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:wait", names, &timeout))
         return NULL;
+    if (work_finish(w) < 0)
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *work_is_completed(P2PWork *w, PyObject *unused) {
+    /* another thread inside wait(): not known to be complete yet */
+    if (!w->done && PyThread_acquire_lock(w->lock, NOWAIT_LOCK)) {
+        int flag = 0, rc = w->done ? MPI_SUCCESS : MPI_Test(&w->req, &flag, &w->status);
+        if (rc == MPI_SUCCESS && flag && !w->done)
+            work_completed(w);
+        PyThread_release_lock(w->lock);
+        if (rc != MPI_SUCCESS) {
+            raise_mpi(rc);
+            return NULL;
+        }
+    }
+    return PyBool_FromLong(w->done);
+}
+
+static PyObject *work_exception(P2PWork *w, PyObject *unused) {
+    Py_RETURN_NONE;                       /* a send/recv has no finishing step to fail */
+}
+
+static PyObject *work_result(P2PWork *w, PyObject *unused) {
+    return Py_NewRef(w->result);
+}
+
+static PyObject *work_source_rank(P2PWork *w, PyObject *unused) {
+    if (!w->is_recv) {
+        PyErr_SetString(PyExc_RuntimeError, "source_rank: only a recv has a source rank");
+        return NULL;
+    }
+    if (work_finish(w) < 0)
+        return NULL;
+    return PyLong_FromLong(w->status.MPI_SOURCE);
+}
+
+static PyObject *work_synchronize(P2PWork *w, PyObject *unused) {
+    if (work_finish(w) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *work_get_future(P2PWork *w, PyObject *unused) {
+    return PyObject_CallOneArg(future_of, (PyObject *)w);
+}
+
+static PyObject *work_repr(P2PWork *w) {
+    return PyUnicode_FromFormat("<hpcddp P2PWork %s, %s>", w->is_recv ? "recv" : "send",
+                                w->done ? "completed" : "pending");
+}
+
+static void work_dealloc(P2PWork *w) {
+    int finalized = 1;
+    if (!w->done)
+        MPI_Finalized(&finalized);
+    if (!w->done && !finalized && w->req != MPI_REQUEST_NULL) {
+        /* dropped before completing: MPI finishes the transfer on its own (MPI_Request_free),
+           into or out of the tensor, which therefore must never be freed: leak it */
+        MPI_Request_free(&w->req);
+        w->result = NULL;
+    }
+    Py_XDECREF(w->result);
+    Py_XDECREF(w->entry);
+    Py_XDECREF(w->future);
+    if (w->lock)
+        PyThread_free_lock(w->lock);
+    Py_TYPE(w)->tp_free((PyObject *)w);
+}
+
+static PyObject *no_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    PyErr_SetString(PyExc_TypeError, "P2PWork: returned by hpcddp.isend and hpcddp.irecv, not "
+                    "made directly");
+    return NULL;
+}
+
+static PyMethodDef work_methods[] = {
+    {"wait", (PyCFunction)(void (*)(void))work_wait, METH_VARARGS | METH_KEYWORDS,
+     "wait(timeout=None) -> True: wait until the transfer completes (the tensor may then be "
+     "reused or read). The timeout is accepted and ignored, as MPI_Wait has none."},
+    {"is_completed", (PyCFunction)work_is_completed, METH_NOARGS,
+     "Whether the transfer has completed (MPI_Test: also makes progress on it)."},
+    {"is_success", (PyCFunction)work_is_completed, METH_NOARGS,
+     "Completed without error (a send/recv has no finishing step): is_completed()."},
+    {"exception", (PyCFunction)work_exception, METH_NOARGS, "None (see is_success)."},
+    {"result", (PyCFunction)work_result, METH_NOARGS, "[tensor]: the future's value."},
+    {"source_rank", (PyCFunction)work_source_rank, METH_NOARGS,
+     "The group rank the message came from (a recv; waits for it)."},
+    {"_source_rank", (PyCFunction)work_source_rank, METH_NOARGS, "source_rank()."},
+    {"synchronize", (PyCFunction)work_synchronize, METH_NOARGS, "wait()."},
+    {"get_future", (PyCFunction)work_get_future, METH_NOARGS,
+     "A torch.futures.Future completed with [tensor] (hpcddp.collectives.work.future_of)."},
+    {NULL, NULL, 0, NULL}};
+
+static PyMemberDef work_members[] = {
+    {"_future", T_OBJECT, offsetof(P2PWork, future), 0, "get_future()'s Future, once made"},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyTypeObject P2PWorkType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hpcddp.collectives._fastpath.P2PWork",
+    .tp_doc = "The Work of hpcddp.isend/irecv: torch Work's methods over one MPI request.",
+    .tp_basicsize = sizeof(P2PWork),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = no_new,
+    .tp_dealloc = (destructor)work_dealloc,
+    .tp_repr = (reprfunc)work_repr,
+    .tp_methods = work_methods,
+    .tp_members = work_members,
+};
+
+/* the recorder's start_p2p(): [seq, OP, comm, shape, dtype, peer, t_start, 0.0] into the ring,
+   with the communicator's own p2p sequence number (FlightRecorder.start_p2p) */
+static PyObject *record_start_p2p(PyObject *plan) {
+    PyObject *uid = PyTuple_GET_ITEM(plan, Q_UID);
+    PyObject *last = PyDict_GetItemWithError(p2p_seq, uid);   /* borrowed */
+    if (last == NULL && PyErr_Occurred())
+        return NULL;
+    long long seq = last == NULL ? 1 : PyLong_AsLongLong(last) + 1;
+    if (seq == 0 && PyErr_Occurred())
+        return NULL;
+    PyObject *num = PyLong_FromLongLong(seq);
+    if (num == NULL || PyDict_SetItem(p2p_seq, uid, num) < 0) {
+        Py_XDECREF(num);
+        return NULL;
+    }
+    PyObject *slot = PyIter_Next(slots);
+    Py_ssize_t i = slot == NULL ? -1 : PyLong_AsSsize_t(slot);
+    Py_XDECREF(slot);
+    PyObject *entry = i < 0 ? NULL : PyList_New(8);
+    PyObject *t_end = entry == NULL ? NULL : PyFloat_FromDouble(0.0);
+    if (t_end == NULL) {
+        Py_DECREF(num);
+        Py_XDECREF(entry);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "p2p: the recorder's slot cycle ended");
+        return NULL;
+    }
+    PyObject *borrowed[] = {PyTuple_GET_ITEM(plan, Q_OP), PyTuple_GET_ITEM(plan, Q_COMM),
+                            PyTuple_GET_ITEM(plan, Q_SHAPE), PyTuple_GET_ITEM(plan, Q_DTYPE),
+                            PyTuple_GET_ITEM(plan, Q_PEER), PyList_GET_ITEM(tick, 0)};
+    PyList_SET_ITEM(entry, 0, num);       /* steals */
+    for (int k = 0; k < 6; k++)
+        PyList_SET_ITEM(entry, k + 1, Py_NewRef(borrowed[k]));
+    PyList_SET_ITEM(entry, 7, t_end);
+    Py_INCREF(entry);                     /* one for the ring, one for us */
+    if (PyList_SetItem(ring, i, entry) < 0) {
+        Py_DECREF(entry);
+        return NULL;
+    }
+    return entry;
+}
+
+/* 1 if A and B are the same int (or both None) of the same type (a bool is not a rank) */
+static int same_value(PyObject *a, PyObject *b) {
+    if (a == b)
+        return 1;
+    if (Py_TYPE(a) != Py_TYPE(b) || !PyLong_CheckExact(a))
+        return 0;
+    return PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+static PyObject *run_pplan(PyObject *plan, long op, PyObject *const *args);
+
+static PyObject *p2p(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    /* p2p(op, tensor, peer, tag, group) */
+    if (nargs != 5 || !PyLong_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "p2p(op, tensor, peer, tag, group): expected an int op "
+                        "and four more arguments");
+        return NULL;
+    }
+    long op = PyLong_AsLong(args[0]);
+    if (op < ISEND || op > RECV) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "p2p: op %ld is not ISEND, IRECV, SEND or RECV", op);
+        return NULL;
+    }
+    PyObject *key = PyLong_FromVoidPtr(args[1]);      /* id(tensor) */
+    if (key == NULL)
+        return NULL;
+    /* sends and recvs plan apart: one tensor may be sent and received into */
+    PyObject *plan = PyDict_GetItemWithError(PyTuple_GET_ITEM(pplans, op == IRECV || op == RECV),
+                                             key);   /* borrowed */
+    Py_DECREF(key);
+    if (plan == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_FALSE;
+    }
+    Py_INCREF(plan);                      /* as in all_reduce_sum */
+    PyObject *done = run_pplan(plan, op, args);
+    Py_DECREF(plan);
+    return done;
+}
+
+static PyObject *run_pplan(PyObject *plan, long op, PyObject *const *args) {
+    PyObject *tensor = args[1], *peer = args[2], *tag = args[3], *group = args[4];
+    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != Q_LEN)
+        Py_RETURN_FALSE;
+    PyObject *prog = PyTuple_GET_ITEM(plan, Q_PROG);   /* (comm, datatype, count, MPI peer) */
+    if (!PyTuple_Check(prog) || PyTuple_GET_SIZE(prog) != 4
+            || (PyTuple_GET_ITEM(plan, Q_GROUP) != group && PyTuple_GET_ITEM(plan, Q_COMM) != group))
+        Py_RETURN_FALSE;
+    int eq = same_value(peer, PyTuple_GET_ITEM(plan, Q_PEER));
+    if (eq == 1)
+        eq = same_value(tag, PyTuple_GET_ITEM(plan, Q_TAG));
+    if (eq == 1)
+        eq = comm_alive(PyTuple_GET_ITEM(plan, Q_COMM), PyTuple_GET_ITEM(plan, Q_MPI));
+    if (eq == 1)
+        eq = tensor_holds(tensor, PyTuple_GET_ITEM(plan, Q_REF), PyTuple_GET_ITEM(plan, Q_PTR),
+                          PyTuple_GET_ITEM(plan, Q_NUMEL));
+    if (eq == 1) {                        /* the MPI datatype is the dtype's (see run_plan) */
+        PyObject *dtype = PyObject_GetAttr(tensor, s_dtype);
+        if (dtype == NULL)
+            return NULL;
+        eq = dtype == PyTuple_GET_ITEM(plan, Q_DTYPE);
+        Py_DECREF(dtype);
+    }
+    if (eq < 0)
+        return NULL;
+    if (eq == 0)
+        Py_RETURN_FALSE;
+    /* the plan holds: this object, memory, size, dtype, peer, tag and live communicator */
+    void *buf = PyLong_AsVoidPtr(PyTuple_GET_ITEM(plan, Q_PTR));
+    intptr_t hcomm = (intptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(prog, 0));
+    intptr_t htype = (intptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(prog, 1));
+    long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(prog, 2));
+    int mpi_peer = (int)PyLong_AsLong(PyTuple_GET_ITEM(prog, 3));
+    int mpi_tag = (int)PyLong_AsLong(tag);
+    if (PyErr_Occurred())
+        return NULL;
+    if (count < 0 || count > INT_MAX)
+        Py_RETURN_FALSE;                  /* MPI's int count: the Python path cuts it up */
+    P2PWork *w = NULL;
+    if (op == ISEND || op == IRECV) {     /* made first: nothing to undo after MPI started */
+        w = PyObject_New(P2PWork, &P2PWorkType);
+        if (w == NULL)
+            return NULL;
+        w->req = MPI_REQUEST_NULL;
+        w->is_recv = op == IRECV;
+        w->done = 1;                      /* until started: dealloc frees nothing */
+        w->entry = w->future = NULL;
+        w->result = PyList_New(1);
+        w->lock = PyThread_allocate_lock();
+        if (w->result == NULL || w->lock == NULL) {
+            Py_DECREF(w);
+            return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+        }
+        PyList_SET_ITEM(w->result, 0, Py_NewRef(tensor));
+    }
+    PyObject *entry = record_start_p2p(plan);
+    if (entry == NULL) {
+        Py_XDECREF(w);
+        return NULL;
+    }
+    int rc;
+    MPI_Comm comm = (MPI_Comm)hcomm;      /* pointers in Open MPI, ints in MPICH: both compile */
+    MPI_Datatype type = (MPI_Datatype)htype;
+    MPI_Status status;
+    Py_BEGIN_ALLOW_THREADS
+    switch (op) {
+    case ISEND: rc = MPI_Isend(buf, (int)count, type, mpi_peer, mpi_tag, comm, &w->req); break;
+    case IRECV: rc = MPI_Irecv(buf, (int)count, type, mpi_peer, mpi_tag, comm, &w->req); break;
+    case SEND: rc = MPI_Send(buf, (int)count, type, mpi_peer, mpi_tag, comm); break;
+    default: rc = MPI_Recv(buf, (int)count, type, mpi_peer, mpi_tag, comm, &status); break;
+    }
+    Py_END_ALLOW_THREADS
+    if (rc != MPI_SUCCESS) {              /* the entry stays in flight, as in Python */
+        Py_DECREF(entry);
+        Py_XDECREF(w);
+        raise_mpi(rc);
+        return NULL;
+    }
+    if (w != NULL) {
+        w->entry = entry;                 /* steals */
+        w->done = 0;
+        return (PyObject *)w;
+    }
+    entry_done(entry);
+    Py_DECREF(entry);
+    if (op == SEND)
+        Py_RETURN_TRUE;
+    return PyLong_FromLong(status.MPI_SOURCE);
+}
+
+static PyObject *configure(PyObject *self, PyObject *args) {
+    PyObject *p, *x, *r, *s, *t, *e, *q, *seq, *fut;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!OO!O!O:configure", &PyDict_Type, &p, &PyTuple_Type, &x,
+                          &PyList_Type, &r, &s, &PyList_Type, &t, &e, &PyTuple_Type, &q,
+                          &PyDict_Type, &seq, &fut))
+        return NULL;
+    if (PyTuple_GET_SIZE(q) != 2 || !PyDict_Check(PyTuple_GET_ITEM(q, 0))
+            || !PyDict_Check(PyTuple_GET_ITEM(q, 1)) || !PyCallable_Check(fut)) {
+        PyErr_SetString(PyExc_TypeError, "configure: pplans must be a tuple of two dicts and "
+                        "future_of a callable");
+        return NULL;
+    }
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(x); k++)
         if (!PyDict_Check(PyTuple_GET_ITEM(x, k))) {
             PyErr_SetString(PyExc_TypeError, "configure: xplans must be a tuple of dicts");
@@ -350,6 +715,9 @@ static PyObject *configure(PyObject *self, PyObject *args) {
     Py_XSETREF(slots, Py_NewRef(s));
     Py_XSETREF(tick, Py_NewRef(t));
     Py_XSETREF(mpi_exception, Py_NewRef(e));
+    Py_XSETREF(pplans, Py_NewRef(q));
+    Py_XSETREF(p2p_seq, Py_NewRef(seq));
+    Py_XSETREF(future_of, Py_NewRef(fut));
     Py_RETURN_NONE;
 }
 
@@ -368,8 +736,13 @@ static PyMethodDef methods[] = {
      "exchange(kind, tensors, group) -> bool: run the planned blocking exchange of kind KIND "
      "(hpcddp.collectives._plans) on TENSORS and return True, or return False (no plan, or "
      "it no longer holds)."},
+    {"p2p", (PyCFunction)(void (*)(void))p2p, METH_FASTCALL,
+     "p2p(op, tensor, peer, tag, group): run the planned send/recv of TENSOR (op ISEND or "
+     "IRECV: return its P2PWork; SEND: True; RECV: the sender's rank), or return False (no "
+     "plan, or it no longer holds)."},
     {"configure", configure, METH_VARARGS,
-     "configure(plans, xplans, ring, slots, tick, mpi_exception): what the hits read."},
+     "configure(plans, xplans, ring, slots, tick, mpi_exception, pplans, p2p_seq, future_of): "
+     "what the hits read."},
     {"library_version", library_version, METH_NOARGS,
      "MPI_Get_library_version() of the MPI this module was built and linked with."},
     {NULL, NULL, 0, NULL}};
@@ -387,5 +760,12 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     s_mpi = PyUnicode_InternFromString("mpi");
     if (!s_op || !s_data_ptr || !s_numel || !s_is_contiguous || !s_dtype || !s_seq || !s_mpi)
         return NULL;
-    return PyModule_Create(&module);
+    if (PyType_Ready(&P2PWorkType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL || PyModule_AddObjectRef(m, "P2PWork", (PyObject *)&P2PWorkType) < 0) {
+        Py_XDECREF(m);
+        return NULL;
+    }
+    return m;
 }

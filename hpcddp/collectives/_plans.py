@@ -25,9 +25,10 @@ import weakref
 
 from hpcddp.comm import startup as _rt
 from hpcddp.comm._mpi import MPI
-from hpcddp.collectives import _node
+from hpcddp.collectives import _large, _node
 from hpcddp.diagnostics import recorder as _rec
 from hpcddp.collectives._common import IN_PLACE, record, record_end
+from hpcddp.collectives.work import future_of
 
 MAX_PLANS = 4096
 plans: dict = {}
@@ -91,7 +92,7 @@ def hit_py(tensor, group) -> bool:
 # checks found; a hit verifies every tensor is the same object with the same memory, element
 # count and contiguity, on the same live communicator, then records the op and runs it.
 A2A_SINGLE, ALL_GATHER, ALL_TO_ALL = range(3)
-PLANNED_OPS = ("all_reduce", "all_to_all_single", "all_gather", "all_to_all")
+PLANNED_OPS = ("all_reduce", "all_to_all_single", "all_gather", "all_to_all")   # + send/recv (C)
 xplans: tuple = ({}, {}, {})   # per kind: id(first tensor of the call) -> plan
 # plan layout (read by xhit_py and by _fastpath.c, whose enum names these)
 (X_REFS, X_PTRS, X_NUMELS, X_GROUP, X_COMM, X_MPI, X_OP, X_SHAPE, X_DTYPE, X_RUN,
@@ -170,6 +171,53 @@ def xhit_py(kind: int, tensors: tuple, group) -> bool:
     return True
 
 
+# -- point-to-point plans ----------------------------------------------------------------------
+# isend/irecv/send/recv of a tensor used before with the same peer, tag and group: the C hit
+# rechecks the tensor as the plans above do, writes the recorder's p2p entry and starts the
+# MPI call; isend/irecv return a C P2PWork (a Python Work cost ~2.8 us to make and wait,
+# against ~1.4 us for raw mpi4py's whole Isend/Irecv/Wait pair at 8 B). Only the C module
+# runs these plans: without it the full path runs as before and nothing is planned.
+ISEND, IRECV, SEND, RECV = range(4)
+pplans: tuple = ({}, {})   # sends, recvs: id(tensor) -> plan (a tensor may go both ways)
+# plan layout (read by _fastpath.c, whose enum names these); PROG: (comm, datatype, count,
+# MPI peer) as ints (MPI_ANY_SOURCE for an irecv/recv from any rank)
+(Q_REF, Q_PTR, Q_NUMEL, Q_DTYPE, Q_GROUP, Q_COMM, Q_MPI, Q_PEER, Q_TAG, Q_SHAPE, Q_UID, Q_OP,
+ Q_PROG, Q_LEN) = range(14)
+
+
+def make_pplan(recv: bool, tensor, group, comm, arr, peer, tag) -> bool:
+    """Plan a validated send (RECV False) or recv of TENSOR (numpy view ARR) with group rank
+    PEER (None: any source) and TAG on COMM, reached through GROUP. False where the C hit
+    cannot run it (no C module, no predefined MPI datatype, a count over MPI's int)."""
+    if _c is None or _large.too_big(arr):    # pieces: the Python path (tests lower the limit)
+        return False
+    datatype = datatype_handle(arr)
+    if datatype is None:
+        return False
+    rt = _rt._runtime
+    if rt is not None and comm is rt.world:
+        group = None
+    key = id(tensor)
+    table = pplans[recv]
+    if len(table) >= MAX_PLANS:
+        table.clear()
+    prog = (MPI._handleof(comm.mpi), datatype, arr.size, MPI.ANY_SOURCE if peer is None else peer)
+    table[key] = (weakref.ref(tensor, lambda r, k=key, tb=table: _pdrop(tb, k, r)),
+                  tensor.data_ptr(), tensor.numel(), tensor.dtype, group, comm, comm.mpi, peer,
+                  tag, tensor.shape, comm.uid, "recv" if recv else "send", prog)
+    return True
+
+
+def _pdrop(table: dict, key: int, ref) -> None:
+    plan = table.get(key)
+    if plan is not None and plan[Q_REF] is ref:
+        del table[key]
+
+
+def _no_phit(op, tensor, peer, tag, group) -> bool:
+    return False
+
+
 def datatype_handle(arr):
     """The MPI datatype mpi4py picks for a numpy view, as the int the C hit takes (None where
     mpi4py has no predefined one)."""
@@ -191,7 +239,7 @@ def _load_c():
         return None, (f"built against another MPI ({ours.splitlines()[0]!r}) than mpi4py's "
                       f"({theirs.splitlines()[0]!r}): reinstall hpcddp")
     _fastpath.configure(plans, xplans, _rec.RECORDER.buf, _rec.RECORDER._slots, _rec.TICK,
-                        MPI.Exception)
+                        MPI.Exception, pplans, _rec.RECORDER._p2p_seq, future_of)
     return _fastpath, ""
 
 
@@ -204,5 +252,8 @@ else:
         raise ImportError(f"{ENV_MODE}=force: the C all_reduce hit cannot run: {WHY_PYTHON}")
 hit = hit_py if _c is None else _c.all_reduce_sum
 xhit = xhit_py if _c is None else _c.exchange
+phit = _no_phit if _c is None else _c.p2p
+if _c is not None:
+    PLANNED_OPS += ("send/recv",)
 # "C" or "Python (why)": `hpcddp info` and the benchmarks' setup print it
 KIND = "C" if hit is not hit_py else f"Python ({WHY_PYTHON})"

@@ -1,6 +1,12 @@
 """Point-to-point: send, recv (from one rank or any), isend, irecv, batch_isend_irecv.
 
 Peers are group ranks. Tags are non-negative ints up to the MPI library's MPI_TAG_UB.
+
+A tensor sent (or received into) again with the same peer, tag and group runs from a plan
+(hpcddp.collectives._plans: the C hit checks it, records it and starts MPI in one call), and
+isend/irecv then return a C ``P2PWork`` (torch Work's methods, one MPI request). The first
+call takes the full path below, which validates, plans and starts the same way. Without the
+C module, for counts over MPI's int and on the GPU staging path they return a :class:`Work`.
 """
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from hpcddp.collectives._common import (as_array, finish_or_work, record_end, re
 from hpcddp.collectives import _large
 from hpcddp.collectives.work import Work
 from hpcddp.collectives import _device
+from hpcddp.collectives._plans import ISEND, IRECV, SEND, RECV, make_pplan, phit
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.comm._mpi import MPI
 
@@ -34,6 +41,14 @@ def _check_peer(comm, peer, fn: str, arg: str) -> int:
 
 def isend(tensor, dst, group=None, tag=0):
     """Start sending TENSOR to group rank DST; returns a Work (wait before reusing TENSOR)."""
+    work = phit(ISEND, tensor, dst, tag, group)
+    if work is not False:
+        return work
+    return _isend(tensor, dst, group, tag, True)
+
+
+def _isend(tensor, dst, group, tag, plan: bool):
+    """isend's full path; PLAN False: never the C path (the GPU staging path edits the Work)."""
     comm = resolve(group, "isend")
     _check_peer(comm, dst, "isend", "dst")
     try:
@@ -41,6 +56,8 @@ def isend(tensor, dst, group=None, tag=0):
     except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
         return _device.isend(tensor, dst, comm, tag)
     _check_tag(tag, "isend")
+    if plan and make_pplan(False, tensor, group, comm, arr, dst, tag):
+        return phit(ISEND, tensor, dst, tag, group)
     entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
     reqs = (_large.send(comm.mpi, arr, dst, tag) if _large.too_big(arr)
             else [comm.mpi.Isend(arr, dst, tag)])
@@ -49,6 +66,8 @@ def isend(tensor, dst, group=None, tag=0):
 
 def send(tensor, dst, group=None, tag=0):
     """Send TENSOR to group rank DST; returns when TENSOR may be reused."""
+    if phit(SEND, tensor, dst, tag, group) is not False:
+        return
     comm = resolve(group, "send")
     _check_peer(comm, dst, "send", "dst")
     try:
@@ -56,6 +75,9 @@ def send(tensor, dst, group=None, tag=0):
     except DeviceTensor:
         return _device.send(tensor, dst, comm, tag)
     _check_tag(tag, "send")
+    if make_pplan(False, tensor, group, comm, arr, dst, tag):
+        phit(SEND, tensor, dst, tag, group)
+        return
     entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
     if _large.too_big(arr):
         _large.wait(_large.send(comm.mpi, arr, dst, tag))
@@ -67,6 +89,14 @@ def send(tensor, dst, group=None, tag=0):
 def irecv(tensor, src=None, group=None, tag=0):
     """Start receiving into TENSOR from group rank SRC (None: any rank); returns a Work whose
     ``source_rank()`` names the sender once complete."""
+    work = phit(IRECV, tensor, src, tag, group)
+    if work is not False:
+        return work
+    return _irecv(tensor, src, group, tag, True)
+
+
+def _irecv(tensor, src, group, tag, plan: bool):
+    """irecv's full path; PLAN as in :func:`_isend`."""
     comm = resolve(group, "irecv")
     source = MPI.ANY_SOURCE if src is None else _check_peer(comm, src, "irecv", "src")
     try:
@@ -79,6 +109,8 @@ def irecv(tensor, src=None, group=None, tag=0):
         raise ValueError(f"irecv: src=None (any source) with {tensor.numel()} elements, over this "
                          f"MPI's count limit of {_large.MAX_COUNT}: the message travels in "
                          f"pieces that must come from one sender; give src (or use recv)")
+    if plan and make_pplan(True, tensor, group, comm, arr, src, tag):
+        return phit(IRECV, tensor, src, tag, group)
     entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
     if big:
         return Work(_large.recv(comm.mpi, arr, source, tag), [tensor], None, entry)
@@ -88,6 +120,9 @@ def irecv(tensor, src=None, group=None, tag=0):
 
 def recv(tensor, src=None, group=None, tag=0) -> int:
     """Receive into TENSOR from group rank SRC (None: any rank). Returns the sender's rank."""
+    source = phit(RECV, tensor, src, tag, group)
+    if source is not False:
+        return source
     comm = resolve(group, "recv")
     source = MPI.ANY_SOURCE if src is None else _check_peer(comm, src, "recv", "src")
     try:
@@ -95,6 +130,8 @@ def recv(tensor, src=None, group=None, tag=0) -> int:
     except DeviceTensor:
         return _device.recv(tensor, src, comm, tag)
     _check_tag(tag, "recv")
+    if make_pplan(True, tensor, group, comm, arr, src, tag):
+        return phit(RECV, tensor, src, tag, group)
     entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
     if _large.too_big(arr):
         if source == MPI.ANY_SOURCE:

@@ -94,26 +94,8 @@ class Work(dist._Work):
 
     _source_rank = source_rank
 
-    def _set_future(self) -> None:
-        fut = self._future
-        if self._exc is not None:
-            fut.set_exception(self._exc)
-        else:
-            fut.set_result(self._result)
-
     def get_future(self) -> torch.futures.Future:
-        if self._future is not None:
-            return self._future
-        self._future = torch.futures.Future()
-        if _FUTURE_MODE == "thread" and not self.is_completed():
-            _progress().put(self)
-            return self._future
-        try:
-            self.wait()
-        except BaseException:
-            pass
-        self._set_future()
-        return self._future
+        return future_of(self)
 
     def synchronize(self) -> None:
         self.wait()
@@ -126,6 +108,68 @@ class CompletedWork(Work):
         super().__init__([], result)
         self._done = True
         self._exc = exc
+
+
+def future_of(w) -> torch.futures.Future:
+    """``get_future()`` of W, a Work or a C P2PWork (both keep it in ``_future``): made once,
+    completed here by waiting or, with HPCDDP_FUTURE=thread, by the progress thread."""
+    fut = w._future
+    if fut is not None:
+        return fut
+    fut = w._future = torch.futures.Future()
+    if _FUTURE_MODE == "thread" and not w.is_completed():
+        _progress().put(w)
+        return fut
+    try:
+        w.wait()
+    except BaseException:
+        pass
+    _settle(w)
+    return fut
+
+
+def _settle(w) -> None:
+    exc = w.exception()
+    if exc is not None:
+        w._future.set_exception(exc)
+    else:
+        w._future.set_result(w.result())
+
+
+class TorchP2PWork(dist._Work):
+    """A torch Work over a C P2PWork: what the backend hands torch for ``dist.isend``/``irecv``
+    (torch's C++ side takes only its own Work type; the direct API returns the P2PWork)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self._inner = inner
+        _keepalive.append(self)
+
+    def wait(self, timeout=None) -> bool:
+        return self._inner.wait()
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._inner.result()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    _source_rank = source_rank
+
+    def get_future(self) -> torch.futures.Future:
+        return self._inner.get_future()
+
+    def synchronize(self) -> None:
+        self._inner.wait()
 
 
 _queue: queue.Queue | None = None
@@ -143,6 +187,6 @@ def _progress() -> queue.Queue:
                     w.wait()
                 except BaseException:
                     pass
-                w._set_future()
+                _settle(w)
         threading.Thread(target=loop, name="hpcddp-progress", daemon=True).start()
     return _queue

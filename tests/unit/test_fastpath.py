@@ -123,6 +123,27 @@ HIT = r'''
             assert why in str(err), err
         else:
             raise AssertionError(f"exchange{bad!r} accepted")
+
+    # the p2p hit: a world of one has no peer to send to, so only what it refuses
+    p = _plans.phit
+    assert p is _fastpath.p2p
+    for op in (_plans.ISEND, _plans.IRECV, _plans.SEND, _plans.RECV):
+        assert p(op, out, 0, 0, None) is False   # no plan
+    for bad, why in (((0, out, 1, 0), "expected an int op and four more"),
+                     (("0", out, 1, 0, None), "expected an int op and four more"),
+                     ((9, out, 1, 0, None), "op 9 is not ISEND, IRECV, SEND or RECV")):
+        try:
+            p(*bad)
+        except (TypeError, ValueError) as err:
+            assert why in str(err), err
+        else:
+            raise AssertionError(f"p2p{bad!r} accepted")
+    try:
+        _fastpath.P2PWork()
+    except TypeError as err:
+        assert "not made directly" in str(err), err
+    else:
+        raise AssertionError("P2PWork() made")
     print("HIT OK")
 '''
 
