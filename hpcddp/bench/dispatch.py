@@ -13,7 +13,9 @@ backend's methods are wrapped with two clock reads for this (~0.1 us, inside "ba
 What it answers: the part of ``hpcddp``'s row in ``hpcddp bench comm`` that no backend can
 remove. At 1 MiB on 2 ranks of one node MPI moves the data in ~60-80 us, so 0.95x raw
 mpi4py's busbw leaves 3-4 us for everything else; torch's wrapper alone takes about that
-(docs/benchmarks.md, "Why the misses").
+(docs/benchmarks.md, "Why the misses"). send_recv is bench comm's ring: dist.isend and
+dist.irecv (two backend calls, both counted), then the two Works' waits (counted as the
+backend's: they are hpcddp's Works and MPI's transfer).
 
 Rounds rotate the order of the three ways to call; each is a batch of K calls after a
 barrier. Per call the figures are medians over the kept rounds (round 1 is dropped) of each
@@ -27,13 +29,14 @@ import statistics
 import sys
 import time
 
-# the ops whose torch call is one backend method (send/recv is two calls and two Works)
+# the ops of `hpcddp bench comm`; each torch call enters one backend method, except send_recv:
+# dist.isend then dist.irecv (two methods), then the two Works' wait()
 OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-       "reduce_scatter_tensor", "all_to_all", "all_to_all_single")
+       "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send_recv")
 # ProcessGroupHPCDDP methods torch calls for those ops (torch renames them across releases)
 METHODS = ("allreduce", "broadcast", "allgather", "_allgather_base", "all_gather_single",
            "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single", "alltoall",
-           "alltoall_base", "all_to_all_single")
+           "alltoall_base", "all_to_all_single", "send", "recv")
 
 
 class Stamps:
@@ -64,22 +67,50 @@ class Stamps:
             setattr(self.cls, name, orig)
 
 
-def _torch_batch(fn, k: int, stamps: Stamps, ctl, clock=time.perf_counter_ns):
-    """K calls of FN; per-call medians (ns) of torch-before, backend, torch-after."""
+def _ring_torch(cell, marks: list, clock=time.perf_counter_ns):
+    """send_recv's torch way (as in bench comm) with one clock read once dist.isend and
+    dist.irecv have both returned: the waits after it are MPI's and hpcddp's time."""
+    import torch.distributed as dist
+    c = cell.ctx
+    s, r = cell.s, cell.r
+    nxt, prv = (c.rank + 1) % c.n, (c.rank - 1) % c.n
+
+    def go():
+        w1 = dist.isend(s, nxt)
+        w2 = dist.irecv(r, prv)
+        marks.append(clock())
+        w1.wait()
+        w2.wait()
+    return go
+
+
+def _torch_batch(fn, k: int, stamps: Stamps, ctl, marks=None, clock=time.perf_counter_ns):
+    """K calls of FN; per-call medians (ns) of torch-before, backend, torch-after. With MARKS
+    (send_recv): FN enters the backend twice; torch-before counts both entries (the isend's
+    after-part with the irecv's before-part), torch-after runs from the irecv's return to
+    the mark, and the waits after the mark count as the backend's."""
     before, inside, after = [], [], []
+    entries = 1 if marks is None else 2
     ctl.Barrier()
     for _ in range(k):
         stamps.calls.clear()
         t0 = clock()
         fn()
         t1 = clock()
-        if len(stamps.calls) != 1:
+        if len(stamps.calls) != entries:
             raise RuntimeError(f"bench dispatch: one torch call entered the backend "
-                               f"{len(stamps.calls)} times; this op is not one method call")
-        t_in, t_out = stamps.calls[0]
-        before.append(t_in - t0)
-        inside.append(t_out - t_in)
-        after.append(t1 - t_out)
+                               f"{len(stamps.calls)} times, expected {entries}")
+        if marks is None:
+            t_in, t_out = stamps.calls[0]
+            before.append(t_in - t0)
+            inside.append(t_out - t_in)
+            after.append(t1 - t_out)
+        else:
+            (a_in, a_out), (b_in, b_out) = stamps.calls
+            mark = marks.pop()
+            before.append((a_in - t0) + (b_in - a_out))
+            inside.append((a_out - a_in) + (b_out - b_in) + (t1 - mark))
+            after.append(mark - b_out)
     return [statistics.median(x) for x in (before, inside, after)]
 
 
@@ -113,9 +144,14 @@ def run(ops=OPS, sizes=(8, 1 << 20), rounds: int = 9, k: int | None = None) -> d
             for size in sizes:
                 cell = CELLS[op](ctx, size)
                 fns = cell.fns()
-                ways = {"torch": fns["hpcddp"], "direct": fns["direct"], "mpi4py": fns["mpi4py"]}
+                marks = [] if op == "send_recv" else None
+                torch_way = fns["hpcddp"] if marks is None else _ring_torch(cell, marks)
+                ways = {"torch": torch_way, "direct": fns["direct"], "mpi4py": fns["mpi4py"]}
                 for name, fn in ways.items():   # right answer first, outside timing
-                    if not cell.check(name, fn):
+                    ok = cell.check(name, fn)
+                    if marks is not None:
+                        marks.clear()
+                    if not ok:
                         raise RuntimeError(f"bench dispatch: {op} {size} B: {name} computed a "
                                            f"wrong result")
                 calls = k or max(20, min(3000, int(2e-3 / max(
@@ -127,7 +163,7 @@ def run(ops=OPS, sizes=(8, 1 << 20), rounds: int = 9, k: int | None = None) -> d
                     order = order[r % 3:] + order[:r % 3]
                     for name in order:
                         if name == "torch":
-                            parts = _torch_batch(ways[name], calls, stamps, ctl)
+                            parts = _torch_batch(ways[name], calls, stamps, ctl, marks)
                             for key, v in zip(("before", "backend", "after"), parts):
                                 got[key].append(ctl.allreduce(v, op=MPI.MAX) / 1e3)
                         else:
