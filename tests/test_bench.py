@@ -151,7 +151,8 @@ def test_docs_dispatch_table_is_the_committed_run():
         rows = {(r["op"], r["bytes"]): r for r in json.load(f)["rows"]}
     names = {"all_gather (list)": "all_gather", "all_to_all (list)": "all_to_all",
              "all_gather_into_tensor (`all_gather_single`)": "all_gather_into_tensor",
-             "all_to_all_single": "all_to_all_single"}
+             "all_to_all_single": "all_to_all_single",
+             "send/recv (`isend` + `irecv` + two `wait()`s)": "send_recv"}
     seen = 0
     for line in page.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -180,6 +181,24 @@ def test_docs_exchange_plan_table_quotes_the_committed_run():
             now = [f"{cells[(names[row[0]], size)]['ratios']['direct/mpi4py']['median']:.2f}"
                    for size in (8, 1 << 20)]
             assert [row[2], row[4]] == now, (row, now)
+            seen += 1
+    assert seen == len(names)
+
+
+def test_docs_p2p_plan_table_quotes_the_committed_run():
+    """The "now" columns of docs/benchmarks.md's point-to-point table are comm.json's send_recv
+    figures (the "before" columns: git show 68a4425:docs/benchmarks/comm.json)."""
+    page = open(os.path.join(DOCS, "benchmarks.md")).read()
+    with open(os.path.join(DOCS, "benchmarks", "comm.json")) as f:
+        cells = {c["bytes"]: c for c in json.load(f)["cells"] if c["op"] == "send_recv"}
+    names = {"direct API": "direct/mpi4py", "`torch.distributed` (hpcddp)": "hpcddp/mpi4py"}
+    seen = 0
+    for line in page.splitlines():
+        row = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(row) == 5 and row[0] in names:
+            now = [cells[size]["ratios"][names[row[0]]]["median"] for size in (4, 1 << 20)]
+            want = [("{:.1f}" if v >= 10 else "{:.2f}").format(v) for v in now]
+            assert [row[2], row[4]] == want, (row, want)
             seen += 1
     assert seen == len(names)
 
