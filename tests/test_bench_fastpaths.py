@@ -357,6 +357,13 @@ SCRIPT = textwrap.dedent(r'''
         s.fill_(r + i); d.zero_()
         w = dist.isend(s, nxt); assert isinstance(w, dist.Work)
         dist.irecv(d, prv).wait(); w.wait(); same(d, torch.full((2,), float(prv + i)), "dist p2p")
+    everyone = dist.new_group(list(range(n)))  # torch groups passed to the direct API
+    for grp in (dist.group.WORLD, everyone):
+        for i in range(3):
+            s.fill_(r + i); d.zero_()
+            w1, w2 = ring(s, d, i, group=grp)
+            assert (type(w1).__name__ == "P2PWork") == C, (grp, type(w1))
+            same(d, torch.full((2,), float(prv + i)), f"p2p with a torch group #{i}")
     for i in range(20):                       # fresh tensors every call
         d2 = torch.zeros(2)
         ring(torch.full((2,), float(r + i)), d2, i); same(d2, torch.full((2,), float(prv + i)), "fresh")

@@ -56,8 +56,11 @@ def _isend(tensor, dst, group, tag, plan: bool):
     except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
         return _device.isend(tensor, dst, comm, tag)
     _check_tag(tag, "isend")
+    # the hit is asked with COMM: GROUP may be a torch group the plan files under None
     if plan and make_pplan(False, tensor, group, comm, arr, dst, tag):
-        return phit(ISEND, tensor, dst, tag, group)
+        work = phit(ISEND, tensor, dst, tag, comm)
+        if work is not False:
+            return work
     entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
     reqs = (_large.send(comm.mpi, arr, dst, tag) if _large.too_big(arr)
             else [comm.mpi.Isend(arr, dst, tag)])
@@ -75,8 +78,8 @@ def send(tensor, dst, group=None, tag=0):
     except DeviceTensor:
         return _device.send(tensor, dst, comm, tag)
     _check_tag(tag, "send")
-    if make_pplan(False, tensor, group, comm, arr, dst, tag):
-        phit(SEND, tensor, dst, tag, group)
+    if make_pplan(False, tensor, group, comm, arr, dst, tag) \
+            and phit(SEND, tensor, dst, tag, comm) is not False:
         return
     entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
     if _large.too_big(arr):
@@ -110,7 +113,9 @@ def _irecv(tensor, src, group, tag, plan: bool):
                          f"MPI's count limit of {_large.MAX_COUNT}: the message travels in "
                          f"pieces that must come from one sender; give src (or use recv)")
     if plan and make_pplan(True, tensor, group, comm, arr, src, tag):
-        return phit(IRECV, tensor, src, tag, group)
+        work = phit(IRECV, tensor, src, tag, comm)
+        if work is not False:
+            return work
     entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
     if big:
         return Work(_large.recv(comm.mpi, arr, source, tag), [tensor], None, entry)
@@ -131,7 +136,9 @@ def recv(tensor, src=None, group=None, tag=0) -> int:
         return _device.recv(tensor, src, comm, tag)
     _check_tag(tag, "recv")
     if make_pplan(True, tensor, group, comm, arr, src, tag):
-        return phit(RECV, tensor, src, tag, group)
+        source = phit(RECV, tensor, src, tag, comm)
+        if source is not False:
+            return source
     entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
     if _large.too_big(arr):
         if source == MPI.ANY_SOURCE:
