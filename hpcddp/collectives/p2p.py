@@ -40,7 +40,8 @@ def _check_peer(comm, peer, fn: str, arg: str) -> int:
 
 
 def isend(tensor, dst, group=None, tag=0):
-    """Start sending TENSOR to group rank DST; returns a Work (wait before reusing TENSOR)."""
+    """Start sending TENSOR to group rank DST; returns a Work (wait before reusing TENSOR):
+    a C P2PWork where hpcddp's C module is built (torch Work's methods), else a Work."""
     work = phit(ISEND, tensor, dst, tag, group)
     if work is not False:
         return work
@@ -91,7 +92,7 @@ def send(tensor, dst, group=None, tag=0):
 
 def irecv(tensor, src=None, group=None, tag=0):
     """Start receiving into TENSOR from group rank SRC (None: any rank); returns a Work whose
-    ``source_rank()`` names the sender once complete."""
+    ``source_rank()`` names the sender once complete (a P2PWork as in :func:`isend`)."""
     work = phit(IRECV, tensor, src, tag, group)
     if work is not False:
         return work
