@@ -81,14 +81,19 @@ static int tensor_holds(PyObject *t, PyObject *ref, PyObject *ptr, PyObject *num
     return eq;
 }
 
-/* 1 if COMM (a plan's Communicator) still has the mpi4py communicator MPI it was planned on
-   (destroyed: COMM_NULL; replaced), 0 if not, -1 on error */
-static int comm_alive(PyObject *comm, PyObject *mpi) {
-    PyObject *now = PyObject_GetAttr(comm, s_mpi);
+/* 1 if OBJ.NAME is PLANNED (identity), 0 if not, -1 on error */
+static int same_attr(PyObject *obj, PyObject *name, PyObject *planned) {
+    PyObject *now = PyObject_GetAttr(obj, name);
     if (now == NULL)
         return -1;
     Py_DECREF(now);                       /* only its identity is compared */
-    return now == mpi;
+    return now == planned;
+}
+
+/* 1 if COMM (a plan's Communicator) still has the mpi4py communicator MPI it was planned on
+   (destroyed: COMM_NULL; replaced), 0 if not, -1 on error */
+static int comm_alive(PyObject *comm, PyObject *mpi) {
+    return same_attr(comm, s_mpi, mpi);
 }
 
 static void raise_mpi(int rc) {           /* mpi4py's MPI.Exception(rc) */
@@ -97,6 +102,35 @@ static void raise_mpi(int rc) {           /* mpi4py's MPI.Exception(rc) */
         PyErr_SetObject(mpi_exception, code);
         Py_DECREF(code);
     }
+}
+
+/* a recorder entry [SEQ, op, comm, shape, dtype, peer, t_start, 0.0] (the five after SEQ
+   given in ITEMS, borrowed; SEQ stolen, also on failure) put in the ring's next slot: a new
+   reference, or NULL with an exception set */
+static PyObject *ring_entry(PyObject *seq, PyObject *const items[5]) {
+    PyObject *slot = PyIter_Next(slots);
+    Py_ssize_t i = slot == NULL ? -1 : PyLong_AsSsize_t(slot);
+    Py_XDECREF(slot);
+    PyObject *entry = i < 0 ? NULL : PyList_New(8);
+    PyObject *t_end = entry == NULL ? NULL : PyFloat_FromDouble(0.0);
+    if (t_end == NULL) {
+        Py_DECREF(seq);
+        Py_XDECREF(entry);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "the recorder's slot cycle ended");
+        return NULL;
+    }
+    PyList_SET_ITEM(entry, 0, seq);       /* steals */
+    for (int k = 0; k < 5; k++)
+        PyList_SET_ITEM(entry, k + 1, Py_NewRef(items[k]));
+    PyList_SET_ITEM(entry, 6, Py_NewRef(PyList_GET_ITEM(tick, 0)));
+    PyList_SET_ITEM(entry, 7, t_end);
+    Py_INCREF(entry);                     /* one for the ring, one for the caller */
+    if (PyList_SetItem(ring, i, entry) < 0) {
+        Py_DECREF(entry);
+        return NULL;
+    }
+    return entry;
 }
 
 /* the recorder's start(): [seq, OP, comm, shape, dtype, None, t_start, 0.0] into the ring,
@@ -109,38 +143,38 @@ static PyObject *record_start(PyObject *comm, PyObject *op, PyObject *shape, PyO
     PyObject *next_seq = one ? PyNumber_Add(seq, one) : NULL;
     Py_DECREF(seq);
     Py_XDECREF(one);
-    if (next_seq == NULL || PyObject_SetAttr(comm, s_seq, next_seq) < 0)
-        goto fail;
-    PyObject *slot = PyIter_Next(slots);
-    if (slot == NULL)
-        goto fail;
-    Py_ssize_t i = PyLong_AsSsize_t(slot);
-    Py_DECREF(slot);
-    if (i == -1 && PyErr_Occurred())
-        goto fail;
-    PyObject *entry = PyList_New(8);
-    PyObject *t_end = PyFloat_FromDouble(0.0);
-    if (entry == NULL || t_end == NULL) {
-        Py_XDECREF(entry);
-        Py_XDECREF(t_end);
-        goto fail;
-    }
-    PyObject *borrowed[] = {op, comm, shape, dtype, Py_None, PyList_GET_ITEM(tick, 0)};
-    PyList_SET_ITEM(entry, 0, next_seq);  /* steals */
-    for (int k = 0; k < 6; k++) {
-        Py_INCREF(borrowed[k]);
-        PyList_SET_ITEM(entry, k + 1, borrowed[k]);
-    }
-    PyList_SET_ITEM(entry, 7, t_end);
-    Py_INCREF(entry);                     /* one for the ring, one for us */
-    if (PyList_SetItem(ring, i, entry) < 0) {
-        Py_DECREF(entry);
+    if (next_seq == NULL || PyObject_SetAttr(comm, s_seq, next_seq) < 0) {
+        Py_XDECREF(next_seq);
         return NULL;
     }
-    return entry;
-fail:
-    Py_XDECREF(next_seq);
-    return NULL;
+    PyObject *items[] = {op, comm, shape, dtype, Py_None};
+    return ring_entry(next_seq, items);
+}
+
+/* 1 if T's dtype is DTYPE (torch dtypes are singletons: identity), 0 if not, -1 on error.
+   `t.data = t.view(torch.int32)` keeps memory and size: the plan's MPI datatype and op are
+   the planned dtype's. */
+static int same_dtype(PyObject *t, PyObject *dtype) {
+    return same_attr(t, s_dtype, dtype);
+}
+
+/* where a plan keeps, for plan_holds: the tensor's weak ref, data_ptr, numel and dtype, the
+   group as passed, its Communicator and that one's mpi4py communicator */
+typedef struct { int ref, ptr, numel, dtype, group, comm, mpi; } PlanIndex;
+
+/* 1 if PLAN still describes TENSOR reached through GROUP (the group as planned or its
+   Communicator; that communicator alive; the tensor's object, memory, size, one block of
+   memory and dtype), 0 if not, -1 on error */
+static int plan_holds(PyObject *plan, const PlanIndex *at, PyObject *tensor, PyObject *group) {
+    if (PyTuple_GET_ITEM(plan, at->group) != group && PyTuple_GET_ITEM(plan, at->comm) != group)
+        return 0;
+    int eq = comm_alive(PyTuple_GET_ITEM(plan, at->comm), PyTuple_GET_ITEM(plan, at->mpi));
+    if (eq == 1)
+        eq = tensor_holds(tensor, PyTuple_GET_ITEM(plan, at->ref), PyTuple_GET_ITEM(plan, at->ptr),
+                          PyTuple_GET_ITEM(plan, at->numel));
+    if (eq == 1)
+        eq = same_dtype(tensor, PyTuple_GET_ITEM(plan, at->dtype));
+    return eq;
 }
 
 static PyObject *run_plan(PyObject *plan, PyObject *tensor, PyObject *group);
@@ -172,23 +206,10 @@ static PyObject *all_reduce_sum(PyObject *self, PyObject *const *args, Py_ssize_
 
 static PyObject *run_plan(PyObject *plan, PyObject *tensor, PyObject *group) {
     if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != P_LEN
-            || PyTuple_GET_ITEM(plan, P_HANDLES) == Py_None
-            || (PyTuple_GET_ITEM(plan, P_GROUP) != group
-                && PyTuple_GET_ITEM(plan, P_COMM) != group))
+            || PyTuple_GET_ITEM(plan, P_HANDLES) == Py_None)
         Py_RETURN_FALSE;
-    int eq = comm_alive(PyTuple_GET_ITEM(plan, P_COMM), PyTuple_GET_ITEM(plan, P_MPI));
-    if (eq == 1)
-        eq = tensor_holds(tensor, PyTuple_GET_ITEM(plan, P_REF), PyTuple_GET_ITEM(plan, P_PTR),
-                          PyTuple_GET_ITEM(plan, P_NUMEL));
-    if (eq == 1) {
-        /* a reduction's MPI op and datatype are the dtype's: `t.data = t.view(torch.int32)`
-           keeps memory and size (torch dtypes are singletons: identity) */
-        PyObject *dtype = PyObject_GetAttr(tensor, s_dtype);
-        if (dtype == NULL)
-            return NULL;
-        eq = dtype == PyTuple_GET_ITEM(plan, P_DTYPE);
-        Py_DECREF(dtype);
-    }
+    static const PlanIndex at = {P_REF, P_PTR, P_NUMEL, P_DTYPE, P_GROUP, P_COMM, P_MPI};
+    int eq = plan_holds(plan, &at, tensor, group);
     if (eq < 0)
         return NULL;
     if (eq == 0)
@@ -528,31 +549,10 @@ static PyObject *record_start_p2p(PyObject *plan) {
         Py_XDECREF(num);
         return NULL;
     }
-    PyObject *slot = PyIter_Next(slots);
-    Py_ssize_t i = slot == NULL ? -1 : PyLong_AsSsize_t(slot);
-    Py_XDECREF(slot);
-    PyObject *entry = i < 0 ? NULL : PyList_New(8);
-    PyObject *t_end = entry == NULL ? NULL : PyFloat_FromDouble(0.0);
-    if (t_end == NULL) {
-        Py_DECREF(num);
-        Py_XDECREF(entry);
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_RuntimeError, "p2p: the recorder's slot cycle ended");
-        return NULL;
-    }
-    PyObject *borrowed[] = {PyTuple_GET_ITEM(plan, Q_OP), PyTuple_GET_ITEM(plan, Q_COMM),
-                            PyTuple_GET_ITEM(plan, Q_SHAPE), PyTuple_GET_ITEM(plan, Q_DTYPE),
-                            PyTuple_GET_ITEM(plan, Q_PEER), PyList_GET_ITEM(tick, 0)};
-    PyList_SET_ITEM(entry, 0, num);       /* steals */
-    for (int k = 0; k < 6; k++)
-        PyList_SET_ITEM(entry, k + 1, Py_NewRef(borrowed[k]));
-    PyList_SET_ITEM(entry, 7, t_end);
-    Py_INCREF(entry);                     /* one for the ring, one for us */
-    if (PyList_SetItem(ring, i, entry) < 0) {
-        Py_DECREF(entry);
-        return NULL;
-    }
-    return entry;
+    PyObject *items[] = {PyTuple_GET_ITEM(plan, Q_OP), PyTuple_GET_ITEM(plan, Q_COMM),
+                         PyTuple_GET_ITEM(plan, Q_SHAPE), PyTuple_GET_ITEM(plan, Q_DTYPE),
+                         PyTuple_GET_ITEM(plan, Q_PEER)};
+    return ring_entry(num, items);
 }
 
 /* 1 if A and B are the same int (or both None) of the same type (a bool is not a rank) */
@@ -602,24 +602,14 @@ static PyObject *run_pplan(PyObject *plan, long op, PyObject *const *args) {
     if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != Q_LEN)
         Py_RETURN_FALSE;
     PyObject *prog = PyTuple_GET_ITEM(plan, Q_PROG);   /* (comm, datatype, count, MPI peer) */
-    if (!PyTuple_Check(prog) || PyTuple_GET_SIZE(prog) != 4
-            || (PyTuple_GET_ITEM(plan, Q_GROUP) != group && PyTuple_GET_ITEM(plan, Q_COMM) != group))
+    if (!PyTuple_Check(prog) || PyTuple_GET_SIZE(prog) != 4)
         Py_RETURN_FALSE;
+    static const PlanIndex at = {Q_REF, Q_PTR, Q_NUMEL, Q_DTYPE, Q_GROUP, Q_COMM, Q_MPI};
     int eq = same_value(peer, PyTuple_GET_ITEM(plan, Q_PEER));
     if (eq == 1)
         eq = same_value(tag, PyTuple_GET_ITEM(plan, Q_TAG));
     if (eq == 1)
-        eq = comm_alive(PyTuple_GET_ITEM(plan, Q_COMM), PyTuple_GET_ITEM(plan, Q_MPI));
-    if (eq == 1)
-        eq = tensor_holds(tensor, PyTuple_GET_ITEM(plan, Q_REF), PyTuple_GET_ITEM(plan, Q_PTR),
-                          PyTuple_GET_ITEM(plan, Q_NUMEL));
-    if (eq == 1) {                        /* the MPI datatype is the dtype's (see run_plan) */
-        PyObject *dtype = PyObject_GetAttr(tensor, s_dtype);
-        if (dtype == NULL)
-            return NULL;
-        eq = dtype == PyTuple_GET_ITEM(plan, Q_DTYPE);
-        Py_DECREF(dtype);
-    }
+        eq = plan_holds(plan, &at, tensor, group);
     if (eq < 0)
         return NULL;
     if (eq == 0)
