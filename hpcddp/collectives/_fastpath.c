@@ -180,25 +180,27 @@ static int plan_holds(PyObject *plan, const PlanIndex *at, PyObject *tensor, PyO
 static PyObject *run_plan(PyObject *plan, PyObject *tensor, PyObject *group);
 static PyObject *record_end(PyObject *entry, int rc);
 
+/* TABLE's plan for id(OBJ), a new reference: held while its hit runs (data_ptr() and the
+   allocations may run a finalizer, or let another thread in, that replaces the plan or clears
+   the table). NULL: none (no exception set) or an error (exception set). */
+static PyObject *find_plan(PyObject *table, PyObject *obj) {
+    PyObject *key = PyLong_FromVoidPtr(obj);
+    if (key == NULL)
+        return NULL;
+    PyObject *plan = PyDict_GetItemWithError(table, key);   /* borrowed */
+    Py_DECREF(key);
+    return Py_XNewRef(plan);
+}
+
 static PyObject *all_reduce_sum(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "all_reduce_sum(tensor, group): expected 2 arguments, "
                      "got %zd", nargs);
         return NULL;
     }
-    PyObject *key = PyLong_FromVoidPtr(args[0]);   /* id(tensor) */
-    if (key == NULL)
-        return NULL;
-    PyObject *plan = PyDict_GetItemWithError(plans, key);   /* borrowed */
-    Py_DECREF(key);
-    if (plan == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_FALSE;
-    }
-    /* held while we run: data_ptr() and the allocations below may run a finalizer, or let
-       another thread in, that replaces this tensor's plan or clears them all */
-    Py_INCREF(plan);
+    PyObject *plan = find_plan(plans, args[0]);
+    if (plan == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
     PyObject *done = run_plan(plan, args[0], args[1]);
     Py_DECREF(plan);
     return done;
@@ -269,17 +271,10 @@ static PyObject *exchange(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_Format(PyExc_ValueError, "exchange: kind %zd is not a plan kind", kind);
         return NULL;
     }
-    PyObject *key = PyLong_FromVoidPtr(PyTuple_GET_ITEM(args[1], 0));  /* id(first tensor) */
-    if (key == NULL)
-        return NULL;
-    PyObject *plan = PyDict_GetItemWithError(PyTuple_GET_ITEM(xplans, kind), key);  /* borrowed */
-    Py_DECREF(key);
-    if (plan == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_FALSE;
-    }
-    Py_INCREF(plan);                      /* as in all_reduce_sum */
+    /* keyed by the call's first tensor */
+    PyObject *plan = find_plan(PyTuple_GET_ITEM(xplans, kind), PyTuple_GET_ITEM(args[1], 0));
+    if (plan == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
     PyObject *done = run_xplan(plan, args[1], args[2]);
     Py_DECREF(plan);
     return done;
@@ -579,19 +574,10 @@ static PyObject *p2p(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             PyErr_Format(PyExc_ValueError, "p2p: op %ld is not ISEND, IRECV, SEND or RECV", op);
         return NULL;
     }
-    PyObject *key = PyLong_FromVoidPtr(args[1]);      /* id(tensor) */
-    if (key == NULL)
-        return NULL;
     /* sends and recvs plan apart: one tensor may be sent and received into */
-    PyObject *plan = PyDict_GetItemWithError(PyTuple_GET_ITEM(pplans, op == IRECV || op == RECV),
-                                             key);   /* borrowed */
-    Py_DECREF(key);
-    if (plan == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_FALSE;
-    }
-    Py_INCREF(plan);                      /* as in all_reduce_sum */
+    PyObject *plan = find_plan(PyTuple_GET_ITEM(pplans, op == IRECV || op == RECV), args[1]);
+    if (plan == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
     PyObject *done = run_pplan(plan, op, args);
     Py_DECREF(plan);
     return done;
