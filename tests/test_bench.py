@@ -203,6 +203,31 @@ def test_docs_p2p_plan_table_quotes_the_committed_run():
     assert seen == len(names)
 
 
+def _thp_rows():
+    """docs/benchmarks.md's huge-page table, from docs/benchmarks/thp/*.json: per row, the
+    median over the three runs of each setting's busbw."""
+    import statistics
+    runs = {thp: [json.load(open(os.path.join(DOCS, "benchmarks", "thp", f"thp{thp}-run{k}.json")))
+                  for k in (1, 2, 3)] for thp in (0, 1)}
+    rows = []
+    for op in ("all_to_all", "all_gather"):
+        for size, label in ((25 << 20, "25 MiB"), (64 << 20, "64 MiB")):
+            cells = []
+            for impl in ("mpi4py", "direct"):
+                for thp in (0, 1):
+                    v = [next(c for c in r["cells"] if c["op"] == op and c["bytes"] == size)
+                         ["stats"][impl]["busbw_GBps"] for r in runs[thp]]
+                    cells.append(f"{statistics.median(v):.2f}")
+            rows.append(f"| {op} (list) {label} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def test_docs_thp_table_is_the_committed_runs():
+    page = open(os.path.join(DOCS, "benchmarks.md")).read()
+    for row in _thp_rows():
+        assert row in page, row
+
+
 def test_compare_flags_only_real_regressions(tmp_path):
     old = report.summarize(_fake_comm())
     same, _ = report.compare(report.summarize(_fake_comm()), old)
