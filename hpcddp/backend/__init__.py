@@ -60,8 +60,18 @@ def _create(opts, pg_options=None):
             raise RuntimeError(f"new_group: MPI rank {comm.rank} differs from torch's group rank "
                                f"{opts.group_rank} for ranks {ranks}")
     del MPI
+    comm.timeout = _group_timeout(opts.timeout)
     from hpcddp.backend.process_group import ProcessGroupHPCDDP
-    return ProcessGroupHPCDDP(comm)
+    return ProcessGroupHPCDDP(comm, opts.store, opts.timeout)
+
+
+def _group_timeout(timeout) -> float | None:
+    """The stall timeout of a new group: torch's ``timeout=`` where the caller gave one, else
+    None (the job's HPCDDP_TIMEOUT). torch passes its default (30 min) when none was given,
+    so that value counts as none: HPCDDP_TIMEOUT's 10 min stays the default."""
+    if timeout is None or timeout == dist.default_pg_timeout:
+        return None
+    return timeout.total_seconds() or None
 
 
 def register() -> None:

@@ -3,7 +3,9 @@
 Every hpcddp op runs on one of these. ``mpi`` is the mpi4py ``Intracomm``; ``world_ranks``
 maps group ranks to world ranks (error messages and diagnostics speak in world ranks too).
 Per-communicator sequence numbers count ops, as torch does per process group: the
-diagnostics compare them across ranks to name who is where.
+diagnostics compare them across ranks to name who is where. ``timeout`` is the group's own
+stall timeout in seconds (torch's ``init_process_group``/``new_group(timeout=...)``); None
+means the job's (HPCDDP_TIMEOUT).
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ _ids = itertools.count()
 
 
 class Communicator:
-    __slots__ = ("mpi", "rank", "size", "name", "world_ranks", "seq", "uid", "__weakref__")
+    __slots__ = ("mpi", "rank", "size", "name", "world_ranks", "seq", "uid", "timeout",
+                 "__weakref__")
 
     def __init__(self, mpi_comm, name: str = "", world_ranks=None):
         self.mpi = mpi_comm
@@ -27,6 +30,7 @@ class Communicator:
         self.world_ranks = tuple(world_ranks)
         self.seq = 0
         self.uid = next(_ids)
+        self.timeout: float | None = None
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank={self.rank}, size={self.size})"

@@ -219,7 +219,7 @@ class Watchdog:
             return (f"{_report.ranks_word(dead)} died (process gone: "
                     f"{', '.join(f'pid {self.pids[r]}' for r in dead)}) while rank "
                     f"{self.rank} waits for the others", True)
-        activity, oldest = 0.0, None
+        activity, stuck, overdue, limit = 0.0, None, 0.0, timeout
         for e in list(_rec.RECORDER.buf):
             if e is None:
                 continue
@@ -227,12 +227,17 @@ class Watchdog:
             if t > activity:
                 activity = t
             if e[_rec.T_END] == 0.0 and e[_rec.OP] not in _report._SELF_TIMED:
-                if oldest is None or e[_rec.T_START] < oldest[_rec.T_START]:
-                    oldest = e
-        if oldest is None or now - activity < timeout or now - oldest[_rec.T_START] < timeout:
+                # a group created with torch's timeout= waits that long, others HPCDDP_TIMEOUT
+                own = getattr(e[_rec.GROUP], "timeout", None) or timeout
+                if now - e[_rec.T_START] - own >= overdue:
+                    stuck, overdue, limit = e, now - e[_rec.T_START] - own, own
+        if stuck is None or now - activity < limit:
             return None
-        d = _rec.describe(oldest, now)
-        return (f"rank {self.rank} has waited {d['age']:.1f} s in {_report.op_name(d)}", False)
+        d = _rec.describe(stuck, now)
+        source = ("the group's timeout= given to torch" if getattr(stuck[_rec.GROUP], "timeout", None)
+                  else "HPCDDP_TIMEOUT")
+        return (f"rank {self.rank} has waited {d['age']:.1f} s in {_report.op_name(d)} "
+                f"(timeout {limit:g} s: {source})", False)
 
     @staticmethod
     def _inflight_ops() -> list:
