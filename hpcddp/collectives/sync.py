@@ -41,14 +41,16 @@ def _missing_text(comm, shown, world, timeout, where) -> str:
         place = f": {where[w]}" if w in where else ""
         parts.append(f"rank {r}{'' if w == r else f' (world rank {w})'}{place}")
     return (f"monitored_barrier: {len(shown)} rank(s) of group {comm.name!r} did not reach the "
-            f"barrier within {timeout:.1f} s (timeout= or HPCDDP_TIMEOUT): " + "; ".join(parts))
+            f"barrier within {timeout:.1f} s (its timeout=, else the group's, else "
+            f"HPCDDP_TIMEOUT): " + "; ".join(parts))
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
     """A barrier that fails after TIMEOUT naming the ranks that did not arrive, and where they are.
 
     Rank 0 of the group waits for a message from every other rank, then releases them. If some
-    never come within TIMEOUT (seconds or timedelta; default HPCDDP_TIMEOUT, else 600 s), rank 0
+    never come within TIMEOUT (seconds or timedelta; default: the group's torch ``timeout=``,
+    else HPCDDP_TIMEOUT, else 600 s), rank 0
     raises :class:`BarrierTimeout` naming them (all of them with wait_all_ranks=True, else the
     first) and where each one is (through the diagnostics watchdog: "in Python at
     train.py:88"); the ranks that did arrive raise the same error. If rank 0 itself never
@@ -57,6 +59,8 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) ->
     """
     import os
     comm = resolve(group, "monitored_barrier")
+    if timeout is None and comm.timeout:
+        timeout = comm.timeout          # the group's torch timeout= (init_process_group/new_group)
     if timeout is None:
         from hpcddp.diagnostics.config import DEFAULT_TIMEOUT, timeout_from
         raw = os.environ.get("HPCDDP_TIMEOUT", "").strip()

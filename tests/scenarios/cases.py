@@ -106,8 +106,18 @@ CASES = [
     )),
     Case("monitored_barrier", "monitored_barrier.py", 3, rc=(1,), report=False, no_report=True,
          expect=(r"BarrierTimeout: monitored_barrier: 1 rank\(s\) of group 'WORLD' did not reach "
-                 r"the barrier within 3\.0 s \(timeout= or HPCDDP_TIMEOUT\): rank 2: in Python at "
+                 r"the barrier within 3\.0 s \(its timeout=, else the group's, else "
+                 r"HPCDDP_TIMEOUT\): rank 2: in Python at "
                  r"monitored_barrier\.py:\d+ \(in load_checkpoint\)",)),
+    # torch's timeout= (2 s) bounds the wait although HPCDDP_TIMEOUT is 600 s
+    *(Case(f"torch_timeout_{mode}", "torch_timeout.py", 3, args=(mode,),
+           env={"HPCDDP_TIMEOUT": "600"}, bound=2.0 + 10.0, expect=(
+               rf"ranks 0,1 have waited [\d.]+ s in {op} #\d+ .*on {group}",
+               r"\(timeout 2 s: the group's timeout= given to torch\)",
+               rf"rank 2 has not called {op} #\d+ on {group}: it is in Python at "
+               r"torch_timeout\.py:\d+"))
+      for mode, op, group in (("init", "all_reduce", "WORLD"), ("barrier", "barrier", "WORLD"),
+                              ("new_group", "all_reduce", r"group\[0, 1, 2\]"))),
     # not a hang: rank 1 is 9 s late, the job ends normally after two reports
     Case("warn_policy", "warn_policy.py", 3, env={"HPCDDP_STALL_POLICY": "warn"}, rc=(0,),
          bound=9.0 + BOUND,
