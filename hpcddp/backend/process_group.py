@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hpcddp import collectives as C
 from hpcddp.collectives.work import CompletedWork, TorchP2PWork, Work
-from hpcddp.comm.buffers import as_array
+from hpcddp.comm.buffers import NotContiguous, TensorError, as_array
 from hpcddp.comm.communicator import Communicator
 
 from hpcddp.backend import BACKEND_NAME
@@ -63,9 +63,81 @@ def _first_tensor(x):
     return x
 
 
+def _contiguous(x, staged: list):
+    """X with every non-contiguous tensor in it replaced by a contiguous copy (noted in STAGED
+    as (view, copy) pairs); lists and tuples are walked, other values kept."""
+    if isinstance(x, torch.Tensor):
+        if x.layout == torch.strided and not x.is_contiguous():
+            copy = x.contiguous()
+            staged.append((x, copy))
+            return copy
+        return x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_contiguous(v, staged) for v in x)
+    return x
+
+
+class StagedWork(dist._Work):
+    """The Work of an op run on contiguous copies: its wait() copies them back into the
+    caller's strided views (copy_ writes only the view's own elements)."""
+
+    def __init__(self, inner, staged, result):
+        super().__init__()
+        self._inner, self._staged, self._result = inner, staged, result
+
+    def wait(self, timeout=None) -> bool:
+        if self._staged is not None:
+            self._inner.wait()
+            _copy_back(self._staged)
+            self._staged = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._staged is None or self._inner.is_completed()
+
+    def result(self):
+        return self._result
+
+    def source_rank(self) -> int:
+        self.wait()
+        return self._inner._source_rank()
+
+    _source_rank = source_rank
+
+    def get_future(self):
+        self.wait()
+        fut = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
+def _copy_back(staged) -> None:
+    # an input's copy holds what it held (MPI does not write send buffers): copying every
+    # staged tensor back is right for inputs and outputs alike
+    for view, copy in staged:
+        view.copy_(copy)
+
+
+def _through_contiguous(method, self, args, kwargs):
+    """Run METHOD on contiguous copies of ARGS' strided tensors, as gloo accepts them."""
+    staged: list = []
+    args = _contiguous(args, staged)
+    if not staged:
+        raise RuntimeError(f"{method.__name__}: hpcddp found a non-contiguous tensor but none "
+                           f"among the arguments")
+    work = method(self, *args, **kwargs)
+    originals = [v for v, _ in staged]
+    if work is None:             # a blocking call has completed
+        _copy_back(staged)
+        return None
+    return StagedWork(work, staged, originals)
+
+
 def _routed(method):
     """Send the op to another device's backend where the group's device map says so
-    (``cpu:hpcddp,cuda:nccl``: CUDA tensors go to NCCL); hpcddp's own op otherwise."""
+    (``cpu:hpcddp,cuda:nccl``: CUDA tensors go to NCCL); hpcddp's own op otherwise, on
+    contiguous copies where a tensor is a strided view (the ops refuse those before any
+    message, so the retry sends nothing twice)."""
     name = method.__name__
 
     def op(self, *args, **kwargs):
@@ -75,7 +147,10 @@ def _routed(method):
             t = _first_tensor(args[0]) if args else None
             if t is not None and not t.is_cpu and t.device.type in others:
                 return getattr(others[t.device.type], name)(*args, **kwargs)
-        return method(self, *args, **kwargs)
+        try:
+            return method(self, *args, **kwargs)
+        except NotContiguous:
+            return _through_contiguous(method, self, args, kwargs)
     op.__name__ = op.__qualname__ = name
     op.__doc__ = method.__doc__
     op.__wrapped__ = method
@@ -174,10 +249,51 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
         op = opts.reduceOp if opts is not None and hasattr(opts, "reduceOp") else (
             opts if opts is not None else dist.ReduceOp.SUM)
         if len(tensors) == 1:
-            if opts is not None and _blocking(opts):
-                return C.all_reduce(tensors[0], op, self.hpcddp_comm, False)
-            return C.all_reduce(tensors[0], op, self.hpcddp_comm, True)
+            try:
+                if opts is not None and _blocking(opts):
+                    return C.all_reduce(tensors[0], op, self.hpcddp_comm, False)
+                return C.all_reduce(tensors[0], op, self.hpcddp_comm, True)
+            except TensorError:
+                if tensors[0].layout != torch.sparse_coo:
+                    raise
+                return self._sparse_allreduce(tensors[0], op)
         return self.allreduce_coalesced(tensors, opts)
+
+    def _sparse_allreduce(self, tensor, op):
+        """all_reduce of a sparse COO tensor, as gloo does it: every rank gathers every rank's
+        indices and values (padded to the largest nnz), sums and coalesces them in rank order
+        (so every rank computes the same floats), and TENSOR becomes the sum in place."""
+        fn = "all_reduce"
+        if getattr(op, "op", op) != dist.ReduceOp.SUM:
+            raise ValueError(f"{fn}: a sparse tensor can only be reduced with ReduceOp.SUM "
+                             f"(as gloo), got {op}")
+        comm, n = self.hpcddp_comm, self.size()
+        mine = tensor.coalesce()
+        sizes = torch.tensor(list(tensor.shape), dtype=torch.int64)
+        shapes = torch.empty(n * sizes.numel(), dtype=torch.int64)
+        C.all_gather_into_tensor(shapes, sizes, comm, False)
+        if not torch.equal(shapes.view(n, -1), sizes.expand(n, -1)):
+            raise ValueError(f"{fn}: sparse tensors differ in shape between ranks: "
+                             f"{shapes.view(n, -1).tolist()} (rank order); every rank must pass "
+                             f"the same shape")
+        nnz = torch.empty(n, dtype=torch.int64)
+        C.all_gather_into_tensor(nnz, torch.tensor([mine._nnz()], dtype=torch.int64), comm, False)
+        most = int(nnz.max())
+        idx, val = mine.indices(), mine.values()
+        pad_idx = idx.new_zeros((idx.shape[0], most))
+        pad_idx[:, :idx.shape[1]] = idx
+        pad_val = val.new_zeros((most, *val.shape[1:]))
+        pad_val[:val.shape[0]] = val
+        all_idx = idx.new_empty((n, *pad_idx.shape))
+        all_val = val.new_empty((n, *pad_val.shape))
+        C.all_gather_into_tensor(all_idx, pad_idx.contiguous(), comm, False)
+        C.all_gather_into_tensor(all_val, pad_val.contiguous(), comm, False)
+        parts = [(all_idx[r][:, :int(nnz[r])], all_val[r][:int(nnz[r])]) for r in range(n)]
+        total = torch.sparse_coo_tensor(torch.cat([i for i, _ in parts], 1),
+                                        torch.cat([v for _, v in parts]), tensor.shape,
+                                        dtype=tensor.dtype).coalesce()
+        tensor.copy_(total)
+        return CompletedWork([tensor])
 
     @_routed
     def allreduce_coalesced(self, tensors, opts=None):

@@ -44,6 +44,12 @@ class TensorError(TypeError):
     """A tensor argument that no MPI op can take (wrong type, layout, device, dtype, memory)."""
 
 
+class NotContiguous(TensorError):
+    """A dense tensor whose elements are not one block of memory (a transposed or sliced
+    view). The direct API refuses it (MPI needs one block); the torch backend catches it,
+    before any message, and runs the op on contiguous copies (hpcddp.backend.process_group)."""
+
+
 class DeviceTensor(TensorError):
     """Raised by :func:`as_array` for a CUDA tensor: its memory is not host memory. The ops
     catch it and take their device path (hpcddp.collectives._device), which passes a device
@@ -77,7 +83,7 @@ def check_tensor(t, fn: str, arg: str) -> None:
         # lazy conjugate/negative views: the memory does not hold the values torch shows
         raise TensorError(f"{fn}: {arg} is a lazy conj/neg view; pass t.resolve_conj().resolve_neg()")
     if not t.is_contiguous():
-        raise TensorError(f"{fn}: {arg} is not contiguous (shape {list(t.shape)}, stride "
+        raise NotContiguous(f"{fn}: {arg} is not contiguous (shape {list(t.shape)}, stride "
                           f"{list(t.stride())}); MPI needs one block of memory: pass "
                           f"tensor.contiguous() and copy the result back")
 
