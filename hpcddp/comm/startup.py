@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -89,7 +90,7 @@ def _start(thread_level: str) -> Runtime:
     if thread_level not in THREAD_LEVELS:
         raise ValueError(f"init: thread_level must be one of {sorted(THREAD_LEVELS)}, "
                          f"got {thread_level!r}")
-    from hpcddp.launch import detect
+    from hpcddp.launch import check_world, detect
     launch = detect()  # raises LaunchEnvError on contradictory variables, before MPI starts
     from hpcddp.comm._mpi import STARTED_HERE
     we_init = STARTED_HERE
@@ -100,17 +101,16 @@ def _start(thread_level: str) -> Runtime:
         we_init = True
     if we_init:
         atexit.register(_finalize_at_exit)
-    if launch is not None and launch.size not in (None, MPI.COMM_WORLD.Get_size()):
-        # the classic: `srun --mpi=pmi2` with an MPI built for PMIx gives N singletons
-        raise RuntimeError(
-            f"init: the launcher ({launch.launcher}) started {launch.size} ranks but MPI sees a "
-            f"world of {MPI.COMM_WORLD.Get_size()}: MPI did not connect to the launcher. Under "
-            f"Slurm use `srun --mpi=pmix` (see `srun --mpi=list`), or start with mpirun "
-            f"(docs/launching.md)")
+    # raises LaunchWorldError (a RuntimeError) for torchrun's workers and for an MPI that did
+    # not connect to its launcher; returns a warning for a partial stray WORLD_SIZE or RANK
+    stray_warning = check_world(launch, MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(),
+                                sys.argv)
     granted = _LEVEL_NAMES.get(MPI.Query_thread(), str(MPI.Query_thread()))
     world = Communicator(MPI.COMM_WORLD.Dup(), "WORLD", list(range(MPI.COMM_WORLD.Get_size())))
     _log.set_rank(world.rank)
     notes = []
+    if stray_warning and world.rank == 0:   # inherited by every rank alike: one line says it
+        notes.append(stray_warning)
     if THREAD_LEVELS[granted] < THREAD_LEVELS[thread_level]:
         notes.append(f"MPI granted thread level {granted!r}, asked for {thread_level!r}: "
                      f"DDP's autograd-thread collectives are serialised by hpcddp")

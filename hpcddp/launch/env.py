@@ -20,9 +20,14 @@ Precedence, innermost launcher first (the order of ``TABLES``), and why:
    variables (and, in a batch script, ``SLURM_PROCID=0`` for the batch step) but it is not
    a launched rank; srun always sets ``SLURM_STEP_NUM_TASKS``, the batch shell never does.
 4. ``torch-env``: ``RANK``/``WORLD_SIZE`` without ``TORCHELASTIC_*`` (torch's ``env://``
-   convention, set by hand, by a wrapper script, or by launchers such as DeepSpeed's).
-   Below the MPI launchers but compared with them: a ``RANK`` exported before mpirun is
-   inherited by every rank and would silently give every rank the same number.
+   convention, set by hand, by a wrapper script, or by launchers such as DeepSpeed's). It
+   names the launcher only when no MPI launcher is present (or a wire-up protocol alone is,
+   and both ``RANK`` and ``WORLD_SIZE`` are set). Beside an MPI launcher, that launcher is in
+   charge and torch's variables (with ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``) are *strays*,
+   kept in ``LaunchInfo.stray``: each one must equal the launcher's value (a ``RANK``
+   exported before mpirun is inherited by every rank and would silently give every rank the
+   same number), but they may be partial (PyTorch's own test tooling exports ``WORLD_SIZE``
+   alone); :func:`check_world` turns a partial set into a one-line warning.
 5. ``pmi``, ``pmix``: wire-up protocols, not launchers. ``PMI_RANK``/``PMI_SIZE`` come from
    Hydra, PALS (Cray PMI) or ``srun --mpi=pmi2``; ``PMIX_RANK`` from Open MPI's mpirun
    (PRRTE) or ``srun --mpi=pmix``. They name the launcher only when nothing else is present,
@@ -32,14 +37,17 @@ Precedence, innermost launcher first (the order of ``TABLES``), and why:
 
 Everything that is not outside the chosen launcher must agree with it on every quantity both
 give (rank, size, local rank and size, node index and count), or :class:`LaunchEnvError` says
-which variables disagree. ``HPCDDP_LAUNCHER=<name>`` reads one table only and skips the
-comparison, for nestings these rules do not foresee; ``HPCDDP_LAUNCHER=none`` makes
-:func:`detect` return ``None``.
+which variables disagree. Once MPI has started, :func:`check_world` compares the launcher with
+MPI's world (:class:`LaunchWorldError` when MPI did not connect to it, or when torchrun, which
+cannot start MPI ranks, started the processes). ``HPCDDP_LAUNCHER=<name>`` reads one table
+only and skips the comparison, for nestings these rules do not foresee;
+``HPCDDP_LAUNCHER=none`` makes :func:`detect` return ``None``.
 """
 from __future__ import annotations
 
 import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
@@ -53,6 +61,10 @@ LAUNCHER_OVERRIDE = "HPCDDP_LAUNCHER"
 
 class LaunchEnvError(ValueError):
     """The launcher's variables are partial or contradict each other."""
+
+
+class LaunchWorldError(RuntimeError):
+    """MPI's world is not the one the launcher started (checked after MPI started)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +81,9 @@ class LaunchInfo:
     first eight fields still compare equal: ``pmi`` is the wire-up protocol seen (``"pmix"``,
     ``"pmi"`` or ``None``), ``outer`` the launchers found outside this one (``("slurm",)``
     for mpirun inside a Slurm job), ``variables`` every launcher variable read, as sorted
-    ``(name, value)`` pairs.
+    ``(name, value)`` pairs; ``stray`` torch's ``env://`` variables set beside an MPI
+    launcher, which :func:`detect` found equal to that launcher's values, as ``(name, value)``
+    pairs in table order (``(("WORLD_SIZE", 2),)``).
     """
     launcher: str
     rank: int
@@ -82,6 +96,7 @@ class LaunchInfo:
     pmi: Optional[str] = field(default=None, compare=False)
     outer: tuple = field(default=(), compare=False)
     variables: tuple = field(default=(), compare=False, repr=False)
+    stray: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def host(self) -> Optional[str]:
@@ -218,6 +233,8 @@ TABLES = (TORCHRUN, OPENMPI, MVAPICH, PALS, HYDRA, SLURM, TORCH_ENV, PMI, PMIX)
 #: Launcher names ``detect`` can report (``LaunchInfo.launcher``).
 LAUNCHERS = tuple(t.name for t in TABLES)
 _BY_NAME = {t.name: t for t in TABLES}
+#: Tiers whose process manager is MPI's own: beside them, torch's variables are strays.
+MPI_TIERS = ("pm", "scheduler", "protocol")
 
 
 # --------------------------------------------------------------------------- reading
@@ -274,8 +291,11 @@ class _Reading:
         return f"{self.table.title} says {what} ({_seen(env, self.source.values())})"
 
 
-def _read(table: Table, env: Mapping[str, str]) -> _Reading:
-    """Read and check one table's variables (they are known to be present)."""
+def _read(table: Table, env: Mapping[str, str], partial: bool = False) -> _Reading:
+    """Read and check one table's variables (they are known to be present).
+
+    ``partial``: a missing rank or size is no error (torch's variables beside an MPI launcher).
+    """
     names = table.variables
     values: dict = {}
     source: dict = {}
@@ -311,14 +331,14 @@ def _read(table: Table, env: Mapping[str, str]) -> _Reading:
         return source.get(key) or table.fields[key][0]
 
     title = table.title
-    if "rank" not in values:
+    if "rank" not in values and not partial:
         given = list(source.values()) or [n for n in table.markers if _isset(env, n)]
         raise _error(f"{title} variables are partial: {', '.join(given)} set but "
                      f"{var('rank')} is not", env, names,
                      f"{var('rank')} whenever {title} variables are set",
                      "A launcher always sets them together: check for a wrapper script or "
                      "an export that set or removed one of them")
-    if table.needs_size and "size" not in values:
+    if table.needs_size and "size" not in values and not partial:
         raise _error(f"{title} variables are partial: {var('rank')} set but "
                      f"{' or '.join(table.fields['size'])} is not", env, names,
                      f"the world size whenever {var('rank')} is set",
@@ -409,7 +429,51 @@ def _must_agree(inner: Table, other: Table) -> bool:
     return True
 
 
-def _info(reading: _Reading, others: list, env: Mapping[str, str]) -> LaunchInfo:
+def _strays(found: list, env: Mapping[str, str]) -> bool:
+    """Whether torch's variables are set beside an MPI launcher that is in charge of them.
+
+    Not under torchrun (they are its own), nor when they are complete beside a wire-up
+    protocol alone (then they name the launcher: step 4 of the precedence). ``LOCAL_RANK``
+    alone does not make them present (TORCH_ENV's markers), here as anywhere.
+    """
+    if TORCH_ENV not in found:
+        return False
+    launchers = [t for t in found if t is not TORCH_ENV]
+    if not launchers or launchers[0].tier not in MPI_TIERS:
+        return False
+    complete = _isset(env, "RANK") and _isset(env, "WORLD_SIZE")
+    return launchers[0].tier != "protocol" or not complete
+
+
+def _check_strays(inner: _Reading, others: list, stray: _Reading,
+                  env: Mapping[str, str]) -> None:
+    """Refuse a stray torch variable whose value is not the MPI launcher's."""
+    says, where = dict(inner.values), dict(inner.source)
+    for other in others:   # a quantity the launcher lacks, from what must agree with it
+        if _must_agree(inner.table, other.table):
+            for key, value in other.values.items():
+                if key not in says:
+                    says[key], where[key] = value, other.source[key]
+    wrong = [k for k in INT_FIELDS if k in stray.values and says.get(k) is not None
+             and stray.values[k] != says[k]]
+    if not wrong:
+        return
+    title, name = inner.table.title, inner.table.name
+    given = [f"{stray.source[k]}={stray.values[k]}" for k in wrong]
+    truth = [f"{k.replace('_', ' ')} {says[k]} ({where[k]}={env[where[k]]})" for k in wrong]
+    unset = " ".join(stray.source[k] for k in wrong)
+    raise _error(
+        f"{' and '.join(given)} contradict{'s' if len(wrong) == 1 else ''} {title}, which "
+        f"started this process: it says {' and '.join(truth)}",
+        env, list(inner.table.variables) + list(TORCH_ENV.variables),
+        " and ".join(f"{stray.source[k]}={says[k]}" for k in wrong) + ", or unset",
+        f"torch's env:// variables exported before mpirun or srun are inherited by every rank: "
+        f"`unset {unset}` before starting the job (hpcddp takes rank and size from MPI), or "
+        f"set {LAUNCHER_OVERRIDE}={name} to read only {title}'s variables")
+
+
+def _info(reading: _Reading, others: list, env: Mapping[str, str],
+          stray: Optional[_Reading] = None) -> LaunchInfo:
     v = reading.values
     pmi = reading.table.protocol
     for other in others:   # the protocol actually set for this process beats the default
@@ -422,12 +486,18 @@ def _info(reading: _Reading, others: list, env: Mapping[str, str]) -> LaunchInfo
         used.update(r.source.values())
         used.update(n for n in r.table.markers if _isset(env, n))
     used.update(n for n in reading.table.markers if _isset(env, n))
+    strays = ()
+    if stray is not None:
+        used.update(stray.source.values())
+        strays = tuple((stray.source[k], stray.values[k]) for k in INT_FIELDS
+                       if k in stray.values)
     return LaunchInfo(
         launcher=reading.table.name, rank=v["rank"], size=v.get("size"),
         local_rank=v.get("local_rank"), local_size=v.get("local_size"),
         node_rank=v.get("node_rank"), num_nodes=v.get("num_nodes"), hosts=v.get("hosts"),
         pmi=pmi, outer=outer,
-        variables=tuple(sorted((n, str(env[n])) for n in used if _isset(env, n))))
+        variables=tuple(sorted((n, str(env[n])) for n in used if _isset(env, n))),
+        stray=strays)
 
 
 def detect(env: Mapping[str, str] | None = None) -> Optional[LaunchInfo]:
@@ -438,8 +508,10 @@ def detect(env: Mapping[str, str] | None = None) -> Optional[LaunchInfo]:
     singleton, or a Slurm batch script's shell). Raises :class:`LaunchEnvError`, naming the
     variables seen and what was expected, when a launcher's variables are partial (a local
     rank without a rank), malformed (not an integer, negative), contradictory (rank >= size),
-    or when two launchers that describe the same processes disagree. The module docstring
-    gives the precedence rules; ``HPCDDP_LAUNCHER`` overrides them.
+    or when two launchers that describe the same processes disagree. torch's ``env://``
+    variables beside an MPI launcher may be partial but must not contradict it
+    (``LaunchInfo.stray``). The module docstring gives the precedence rules;
+    ``HPCDDP_LAUNCHER`` overrides them.
     """
     env = os.environ if env is None else env
     forced = str(env.get(LAUNCHER_OVERRIDE, "")).strip().lower()
@@ -461,6 +533,10 @@ def detect(env: Mapping[str, str] | None = None) -> Optional[LaunchInfo]:
     found = [t for t in TABLES if _present(t, env)]
     if TORCHRUN in found and TORCH_ENV in found:
         found.remove(TORCH_ENV)   # the same RANK/WORLD_SIZE, already read as torchrun's
+    stray = None
+    if _strays(found, env):
+        found = [t for t in found if t is not TORCH_ENV]
+        stray = _read(TORCH_ENV, env, partial=True)
     if not found:
         return None
     readings = [_read(t, env) for t in found]
@@ -471,16 +547,103 @@ def detect(env: Mapping[str, str] | None = None) -> Optional[LaunchInfo]:
         for key in INT_FIELDS:
             a, b = inner.values.get(key), other.values.get(key)
             if a is not None and b is not None and a != b:
-                hint = ("If one set of variables was exported by hand or by a job script "
-                        "before the launcher started, unset it")
-                if other.table is TORCH_ENV:
-                    hint = ("A RANK/WORLD_SIZE exported before mpirun or srun is inherited by "
-                            "every rank: unset them")
                 raise _error(
                     f"two launchers disagree about this process's {key.replace('_', ' ')}: "
                     f"{inner.describe(env)}, but {other.describe(env)}",
                     env, list(inner.table.variables) + list(other.table.variables),
                     "the same values from every launcher that started this process",
-                    f"{hint}; or set {LAUNCHER_OVERRIDE}=<one of {', '.join(LAUNCHERS)}> "
-                    f"to read one launcher only")
-    return _info(inner, others, env)
+                    f"If one set of variables was exported by hand or by a job script before "
+                    f"the launcher started, unset it; or set {LAUNCHER_OVERRIDE}=<one of "
+                    f"{', '.join(LAUNCHERS)}> to read one launcher only")
+    if stray is not None:
+        _check_strays(inner, others, stray, env)
+    return _info(inner, others, env, stray)
+
+
+# --------------------------------------------------------------------------- against MPI
+
+def _commands(n: int, argv) -> list:
+    """What to run instead of torchrun: this program under mpirun, srun and ``hpcddp run``."""
+    argv = list(argv or ())
+    if not argv or argv[0] in ("", "-c", "-m") or argv[0].startswith("-"):
+        argv = ["script.py"]   # python -c/-m: no script path to repeat
+    if argv[0].endswith(".py"):
+        program, script = ["python", *argv], argv
+    else:   # a console script (`hpcddp run train.py` is one): run it as it is
+        program, script = [os.path.basename(argv[0]), *argv[1:]], None
+    commands = [f"mpirun -n {n} {shlex.join(program)}",
+                f"srun --mpi=pmix -n {n} {shlex.join(program)}"]
+    if script is not None:
+        commands.append(f"mpirun -n {n} hpcddp run {shlex.join(script)}")
+    return commands
+
+
+def check_world(info: Optional[LaunchInfo], rank: int, size: int, argv=()) -> Optional[str]:
+    """After MPI started: is MPI's world the one the launcher described? Pure.
+
+    ``info`` is :func:`detect`'s answer, ``rank``/``size`` MPI's ``COMM_WORLD`` rank and size,
+    ``argv`` the program's ``sys.argv`` (quoted in the torchrun error). Called on every rank by
+    ``hpcddp.init`` right after MPI started. Raises :class:`LaunchWorldError` when
+
+    - torchrun started the processes and MPI's world is not torchrun's: torchrun forks
+      workers that are not MPI processes, so each is a world of one. The message says so in
+      its first words, and what to run instead;
+    - the launcher's size is not MPI's (an MPI that did not connect to the launcher: N
+      singletons);
+    - a stray torch variable names another rank or size than MPI's (the comparison
+      :func:`detect` could not make where the launcher exports no size, PMIx alone).
+
+    Returns the warning for a *partial* stray set (``WORLD_SIZE`` without ``RANK`` or the
+    reverse) that agrees with MPI, else ``None``: one line, for rank 0 to print (a stray
+    variable is inherited by every rank alike, so one line says it for all of them).
+    A complete ``RANK``/``WORLD_SIZE`` pair (which a wrapper script derives from the
+    launcher's) is silent, and ``LOCAL_RANK`` alone (exported to pick a GPU) is not read.
+    """
+    if info is None:
+        return None
+    if info.launcher == "torchrun" and (info.size, info.rank) != (size, rank):
+        raise LaunchWorldError(_torchrun_error(info, rank, size, argv))
+    if info.size not in (None, size):
+        # the classic: `srun --mpi=pmi2` with an MPI built for PMIx gives N singletons
+        raise LaunchWorldError(
+            f"init: the launcher ({info.launcher}) started {info.size} ranks but MPI sees a "
+            f"world of {size}: MPI did not connect to the launcher. Under Slurm use "
+            f"`srun --mpi=pmix` (see `srun --mpi=list`), or start with mpirun "
+            f"(docs/launching.md)")
+    stray = dict(info.stray)
+    mpi = {"RANK": rank, "WORLD_SIZE": size}
+    wrong = [name for name in mpi if name in stray and stray[name] != mpi[name]]
+    if wrong:
+        raise LaunchWorldError(
+            f"init: {' and '.join(f'{n}={stray[n]}' for n in wrong)} "
+            f"contradict{'s' if len(wrong) == 1 else ''} MPI's rank {rank} of {size}; "
+            f"expected {' and '.join(f'{n}={mpi[n]}' for n in wrong)}, or unset. torch's "
+            f"env:// variables exported before mpirun or srun are inherited by every rank: "
+            f"`unset {' '.join(wrong)}` before starting the job (hpcddp takes rank and size "
+            f"from MPI)")
+    if sum(name in stray for name in mpi) != 1:
+        return None   # none, or a complete pair that agrees: nothing to say
+    return _stray_warning(info)
+
+
+def _torchrun_error(info: LaunchInfo, rank: int, size: int, argv) -> str:
+    commands = _commands(info.size, argv)
+    also = (f", or `{commands[2]}`, which also aborts the whole job when one rank raises"
+            if len(commands) > 2 else "")
+    return (f"torchrun cannot start MPI ranks: run `{commands[0]}` instead (or "
+            f"`{commands[1]}` under Slurm{also}). torchrun started this process as rank "
+            f"{info.rank} of {info.size} (RANK={info.rank}, WORLD_SIZE={info.size}), but its "
+            f"workers are not MPI processes: MPI sees rank {rank} of a world of {size}, and "
+            f"hpcddp's collectives run over MPI (docs/launching.md)")
+
+
+def _stray_warning(info: LaunchInfo) -> str:
+    names = [name for name, _ in info.stray]
+    missing = "WORLD_SIZE" if "RANK" in names else "RANK"
+    listing = ", ".join(f"{name}={value}" for name, value in info.stray)
+    one = len(names) == 1
+    return (f"{listing} {'is' if one else 'are'} set without {missing} (torch env:// "
+            f"variable{'' if one else 's'} inherited from the shell that started the job?); "
+            f"{'it agrees' if one else 'they agree'} with {_BY_NAME[info.launcher].title}, "
+            f"which is in charge: rank and size come from MPI. `unset {' '.join(names)}` "
+            f"silences this warning")

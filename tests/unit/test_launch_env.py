@@ -12,7 +12,8 @@ import sys
 import pytest
 
 import hpcddp.launch as launch
-from hpcddp.launch import LaunchEnvError, LaunchInfo, detect, parse_tasks_per_node
+from hpcddp.launch import (LaunchEnvError, LaunchInfo, LaunchWorldError, check_world, detect,
+                           parse_tasks_per_node)
 from hpcddp.launch.env import LAUNCHERS, TABLES
 
 # ----------------------------------------------------------------- one env per launcher
@@ -225,6 +226,8 @@ def test_torch_env_agreeing_with_mpirun_names_mpirun():
     # mpirun ... sh -c 'RANK=$OMPI_COMM_WORLD_RANK WORLD_SIZE=$OMPI_COMM_WORLD_SIZE python ...'
     info = detect({**OPENMPI, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
     assert (info.launcher, info.outer) == ("openmpi", ())
+    assert info.stray == (("RANK", 1), ("WORLD_SIZE", 2), ("LOCAL_RANK", 1))
+    assert check_world(info, 1, 2) is None       # complete and agreeing: nothing to say
 
 
 def test_mvapich_under_hydra_and_pals_with_cray_pmi():
@@ -241,6 +244,163 @@ def test_pals_without_pmi_size():
 
 def test_pmix_alone_has_no_size():
     assert detect({"PMIX_RANK": "0"}).size is None
+
+
+# ----------------------------------------------------------------- torch's variables beside MPI
+
+# An MPI launcher in charge, its values for (rank, size, local rank), and the variable of each.
+MPI_ENVS = {
+    "openmpi": (OPENMPI, (1, 2, 1), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                                     "OMPI_COMM_WORLD_LOCAL_RANK")),
+    "slurm": (SLURM_PMIX, (4, 7, 1), ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")),
+    "hydra": (HYDRA, (3, 4, 1), ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")),
+    "mvapich": (MVAPICH, (5, 8, 1), ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
+                                     "MV2_COMM_WORLD_LOCAL_RANK")),
+    "pals": (PALS, (6, 8, 2), ("PALS_RANKID", "PMI_SIZE", "PALS_LOCAL_RANKID")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MPI_ENVS))
+@pytest.mark.parametrize("given", [("WORLD_SIZE",), ("RANK",), ("WORLD_SIZE", "LOCAL_RANK")],
+                         ids=["size", "rank", "size+local"])
+def test_partial_stray_that_agrees_is_accepted_with_a_warning(name, given):
+    """PyTorch's test tooling exports WORLD_SIZE alone: beside mpirun/srun it is a stray."""
+    env, (rank, size, local), _ = MPI_ENVS[name]
+    value = {"RANK": rank, "WORLD_SIZE": size, "LOCAL_RANK": local}
+    info = detect({**env, **{n: str(value[n]) for n in given}})
+    assert info == detect(env) and info.launcher == name        # the launcher is unchanged
+    assert info.stray == tuple((n, value[n]) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+                               if n in given)
+    warning = check_world(info, rank, size)
+    missing = "RANK" if "RANK" not in given else "WORLD_SIZE"
+    names = [n for n, _ in info.stray]
+    listing = ", ".join(f"{n}={value[n]}" for n in names)
+    assert warning.startswith(f"{listing} {'is' if len(given) == 1 else 'are'} set without "
+                              f"{missing} "), warning
+    assert "\n" not in warning and f"`unset {' '.join(names)}`" in warning
+    title = next(t.title for t in TABLES if t.name == name)
+    assert f"agree{'s' if len(given) == 1 else ''} with {title}, which is in charge" in warning
+
+
+@pytest.mark.parametrize("name", sorted(MPI_ENVS))
+@pytest.mark.parametrize("wrong", [("WORLD_SIZE",), ("RANK",), ("RANK", "WORLD_SIZE"),
+                                   ("LOCAL_RANK",)],
+                         ids=["size", "rank", "both", "local"])
+def test_stray_that_contradicts_is_refused(name, wrong):
+    """A different size or rank is refused: the variable, its value, the launcher's, the fix."""
+    env, (rank, size, local), sources = MPI_ENVS[name]
+    right = {"RANK": rank, "WORLD_SIZE": size, "LOCAL_RANK": local}
+    source = dict(zip(("RANK", "WORLD_SIZE", "LOCAL_RANK"), sources))
+    bad = {n: right[n] + 1 for n in wrong}
+    given = dict(bad) if "LOCAL_RANK" not in wrong else {**bad, "WORLD_SIZE": size}
+    text = _raises({**env, **{n: str(v) for n, v in given.items()}},
+                   *[f"{n}={bad[n]}" for n in wrong],                 # what is set
+                   *[f"{source[n]}={right[n]}" for n in wrong],       # what the launcher says
+                   *[f"expected {' and '.join(f'{n}={right[n]}' for n in wrong)}, or unset"],
+                   f"`unset {' '.join(wrong)}`", f"HPCDDP_LAUNCHER={name}")
+    assert text.startswith(f"detect: {' and '.join(f'{n}={bad[n]}' for n in wrong)} "
+                           f"contradict"), text
+
+
+def test_stray_exported_before_mpirun_gives_every_rank_the_same_number():
+    text = _raises({**OPENMPI, "RANK": "0", "WORLD_SIZE": "2"}, "RANK=0", "`unset RANK`")
+    assert "inherited by every rank" in text and "WORLD_SIZE" not in text.split(";")[0]
+
+
+def test_torch_variables_without_an_mpi_launcher_are_still_checked():
+    # no MPI launcher in charge: torch-env names the launcher and must be complete
+    _raises({"WORLD_SIZE": "2"}, "partial", "WORLD_SIZE=2", "RANK is not")
+    _raises({"RANK": "0"}, "partial", "RANK=0", "WORLD_SIZE is not")
+    assert detect(TORCH_ENV).stray == ()
+
+
+def test_lone_local_rank_beside_mpirun_is_not_read():
+    # wrapper scripts export LOCAL_RANK to pick a GPU: it is not torch-env, as without MPI
+    info = detect({**OPENMPI, "LOCAL_RANK": "0"})
+    assert info.stray == () and check_world(info, 1, 2) is None
+
+
+def test_torchruns_variables_are_its_own_not_strays():
+    info = detect({**OPENMPI, **TORCHRUN})
+    assert info.launcher == "torchrun" and info.stray == ()
+
+
+def test_torch_variables_beside_a_protocol_alone():
+    # complete: they name the launcher (precedence 4 before 5), the protocol must agree
+    info = detect({**PMIX, "RANK": "2", "WORLD_SIZE": "4"})
+    assert (info.launcher, info.rank, info.size, info.stray) == ("torch-env", 2, 4, ())
+    _raises({**PMIX, "RANK": "1", "WORLD_SIZE": "4"}, "disagree", "PMIX_RANK=2", "RANK=1")
+    # partial: PMIx is in charge; PMIx has no size, so WORLD_SIZE is compared with MPI's
+    info = detect({**PMIX, "WORLD_SIZE": "4"})
+    assert (info.launcher, info.rank, info.size, info.stray) == ("pmix", 2, None,
+                                                                 (("WORLD_SIZE", 4),))
+    assert "WORLD_SIZE=4 is set without RANK" in check_world(info, 2, 4)
+    with pytest.raises(LaunchWorldError) as err:
+        check_world(info, 2, 3)
+    text = str(err.value)
+    assert text.startswith("init: WORLD_SIZE=4 contradicts MPI's rank 2 of 3; "
+                           "expected WORLD_SIZE=3, or unset"), text
+    assert "`unset WORLD_SIZE`" in text
+    _raises({**PMIX, "RANK": "1"}, "RANK=1 contradicts PMIx", "PMIX_RANK=2")
+
+
+def test_override_reads_no_strays():
+    info = detect({**OPENMPI, "WORLD_SIZE": "5", "HPCDDP_LAUNCHER": "openmpi"})
+    assert (info.rank, info.size, info.stray) == (1, 2, ())
+
+
+# ----------------------------------------------------------------- against MPI's world
+
+def test_check_world_with_no_launcher_or_an_agreeing_one():
+    assert check_world(None, 0, 1) is None
+    assert check_world(detect(OPENMPI), 1, 2) is None
+    assert check_world(detect(PMIX), 2, 7) is None          # PMIx gives no size to compare
+
+
+def test_check_world_mpi_that_did_not_connect():
+    with pytest.raises(LaunchWorldError, match=r"^init: the launcher \(slurm\) started 7 ranks "
+                       r"but MPI sees a world of 1: MPI did not connect") as err:
+        check_world(detect(SLURM_PMI2), 0, 1)
+    assert "srun --mpi=pmix" in str(err.value)
+    assert isinstance(err.value, RuntimeError)   # what hpcddp.init raised before
+
+
+TORCHRUN_2 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+              "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "x",
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("argv,commands", [
+    (["train.py", "--epochs", "10"],
+     ["mpirun -n 2 python train.py --epochs 10", "srun --mpi=pmix -n 2 python train.py --epochs 10",
+      "mpirun -n 2 hpcddp run train.py --epochs 10"]),
+    (["-c"], ["mpirun -n 2 python script.py", "srun --mpi=pmix -n 2 python script.py",
+              "mpirun -n 2 hpcddp run script.py"]),
+    ([], ["mpirun -n 2 python script.py", "srun --mpi=pmix -n 2 python script.py",
+          "mpirun -n 2 hpcddp run script.py"]),
+    (["/venv/bin/hpcddp", "run", "my train.py"],     # a console script: as it is, quoted
+     ["mpirun -n 2 hpcddp run 'my train.py'", "srun --mpi=pmix -n 2 hpcddp run 'my train.py'"]),
+], ids=["script", "python-c", "no-argv", "console-script"])
+def test_check_world_under_torchrun(argv, commands):
+    """torchrun's workers are singletons: the error's first words say torchrun cannot start
+    MPI ranks, then what to run instead, with this program's own arguments."""
+    with pytest.raises(LaunchWorldError) as err:
+        check_world(detect(TORCHRUN_2), 0, 1, argv)
+    text = str(err.value)
+    assert text.startswith(f"torchrun cannot start MPI ranks: run `{commands[0]}` instead"), text
+    for command in commands:
+        assert f"`{command}`" in text, text
+    if len(commands) == 2:
+        assert "hpcddp run hpcddp run" not in text and text.count("`") == 4
+    assert "RANK=1, WORLD_SIZE=2" in text and "world of 1" in text
+    assert "docs/launching.md" in text
+
+
+def test_check_world_accepts_a_one_process_torchrun():
+    # torchrun --nproc-per-node 1: a singleton MPI world of 1 is the world torchrun made
+    info = detect({**TORCHRUN_2, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                   "LOCAL_WORLD_SIZE": "1"})
+    assert check_world(info, 0, 1) is None
 
 
 # ----------------------------------------------------------------- malformed envs
@@ -330,16 +490,10 @@ def test_contradictions_within_one_launcher(env, needles):
     ({**PALS, "PMI_LOCAL_RANK": "3"}, ["PMI_LOCAL_RANK=3", "PALS_LOCAL_RANKID=2", "local rank"]),
     ({**HYDRA, **MVAPICH}, ["MV2_COMM_WORLD_RANK=5", "PMI_RANK=3"]),
     ({**OPENMPI, **MVAPICH}, ["MV2_COMM_WORLD_RANK=5", "OMPI_COMM_WORLD_RANK=1"]),
-    ({**SLURM_STEP, "RANK": "0", "WORLD_SIZE": "7"}, ["RANK=0", "SLURM_PROCID=4"]),
 ])
 def test_launchers_that_disagree(env, needles):
     text = _raises(env, "disagree", *needles)
     assert "HPCDDP_LAUNCHER" in text
-
-
-def test_stale_rank_exported_before_mpirun():
-    text = _raises({**OPENMPI, "RANK": "0", "WORLD_SIZE": "2"}, "RANK=0", "unset them")
-    assert "inherited by every rank" in text
 
 
 def test_slurm_step_layout_errors():
