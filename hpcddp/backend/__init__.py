@@ -137,7 +137,10 @@ def _wrap_env_rendezvous() -> None:
 
     def env_or_mpi(url, timeout=timedelta(minutes=10), **kwargs):
         from hpcddp.launch import detect
-        if "MASTER_ADDR" in os.environ or detect() is None or "torchrun" == detect().launcher:
+        # before torch's handler too: a WORLD_SIZE contradicting mpirun's would otherwise have
+        # rank 0's TCPStore wait for ranks that never come (torch's timeout, 30 min)
+        launch = detect()
+        if "MASTER_ADDR" in os.environ or launch is None or launch.launcher == "torchrun":
             yield from original(url, timeout=timeout, **kwargs)
             return
         from hpcddp.comm import startup as rt
