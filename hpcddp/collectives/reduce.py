@@ -37,8 +37,10 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
     except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
         return _device.all_reduce(tensor, op, comm, async_op)
     mop, kind = reduce_op(op, tensor.dtype, "all_reduce")
+    # recorded (and, if large, agreed on by every rank) before the arena is asked for: its
+    # first use is collective, and the arguments that choose it are the ones agreed on
+    entry = record(comm, "all_reduce", tensor.shape, tensor.dtype, red=kind)
     if _shm.usable(comm, arr.nbytes, tensor.dtype, kind):
-        entry = record(comm, "all_reduce", tensor.shape, tensor.dtype)
         pre_reduce(tensor, op, kind)
         _shm.arena(comm).all_reduce(tensor.view(-1))
         post_reduce(tensor, kind, comm.size)
@@ -46,7 +48,6 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
         return CompletedWork([tensor]) if async_op else None
     if kind == SUM_KIND and not _large.too_big(arr):   # == : torch hands out new enum objects
         make_plan(tensor, group, comm, arr, mop)
-    entry = record(comm, "all_reduce", tensor.shape, tensor.dtype)
     if kind != SUM_KIND:
         pre_reduce(tensor, op, kind)
     # The blocking MPI call, with or without async_op: MPI never matches a blocking collective
@@ -82,7 +83,7 @@ def reduce(tensor, dst, op=SUM, group=None, async_op=False):
     except DeviceTensor:
         return _device.reduce(tensor, dst, op, comm, async_op)
     mop, kind = reduce_op(op, tensor.dtype, "reduce")
-    entry = record(comm, "reduce", tensor.shape, tensor.dtype, dst)
+    entry = record(comm, "reduce", tensor.shape, tensor.dtype, dst, red=kind)
     root = comm.rank == dst
     big = _large.too_big(arr)
     if root:
@@ -122,12 +123,16 @@ def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
     if _large.too_big(inp):
         _large.refuse("reduce_scatter_tensor", "input", input.numel())
     mop, kind = reduce_op(op, output.dtype, "reduce_scatter_tensor")
+    entry = record(comm, "reduce_scatter", output.shape, output.dtype, red=kind)  # agreed first
     if _shm.usable(comm, inp.nbytes, output.dtype, kind):
         flat = input.view(-1)
         c = output.numel()
         return _shm_reduce_scatter(output, [flat[j * c:(j + 1) * c] for j in range(comm.size)],
-                                   op, kind, comm, async_op)
-    entry = record(comm, "reduce_scatter", output.shape, output.dtype)
+                                   op, kind, comm, async_op, entry)
+    return _reduce_scatter_mpi(output, input, inp, out, op, mop, kind, comm, async_op, entry)
+
+
+def _reduce_scatter_mpi(output, input, inp, out, op, mop, kind, comm, async_op, entry):
     if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
         input = input.clone()
         pre_reduce(input, op, kind)
@@ -146,21 +151,21 @@ def reduce_scatter(output, input_list, op=SUM, group=None, async_op=False):
         return _device.reduce_scatter(output, input_list, op, comm, async_op)
     check_list(input_list, comm.size, "reduce_scatter", "input_list")
     same_spec(input_list, output, "reduce_scatter", "input_list")
-    kind = reduce_op(op, output.dtype, "reduce_scatter")[1]  # a refused op names this function
+    mop, kind = reduce_op(op, output.dtype, "reduce_scatter")  # a refused op names this function
+    entry = record(comm, "reduce_scatter", output.shape, output.dtype, red=kind)  # agreed first
     if _shm.usable(comm, output.nbytes * comm.size, output.dtype, kind):
         return _shm_reduce_scatter(output, [t.view(-1) for t in input_list], op, kind, comm,
-                                   async_op)
+                                   async_op, entry)
     if _lists.use_p2p(comm, output.numel()):
         if _lists.reduce_scatter_supported(kind, output.dtype):  # zero-copy inputs
-            entry = record(comm, "reduce_scatter", output.shape, output.dtype)
             return _lists.reduce_scatter(output, input_list, kind, comm, async_op, entry)
     flat = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)
-    return reduce_scatter_tensor(output, flat, op, comm, async_op)
+    return _reduce_scatter_mpi(output, flat, as_array(flat), as_array(output), op, mop, kind,
+                               comm, async_op, entry)
 
 
-def _shm_reduce_scatter(output, blocks, op, kind, comm, async_op):
+def _shm_reduce_scatter(output, blocks, op, kind, comm, async_op, entry):
     """reduce_scatter through the node's shared-memory arena (hpcddp.collectives._shm)."""
-    entry = record(comm, "reduce_scatter", output.shape, output.dtype)
     if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
         blocks = [b.clone() for b in blocks]
         for b in blocks:

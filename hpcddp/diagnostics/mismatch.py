@@ -26,9 +26,10 @@ from hpcddp.diagnostics import config as _cfg
 from hpcddp.diagnostics import recorder as _rec
 from hpcddp.diagnostics.report import ranks_word
 
-K = 12                    # int64 words per fingerprint
+K = 13                    # int64 words per fingerprint
 OP, SEQ, DTYPE, ROOT, NDIM, DIMS = 0, 1, 2, 3, 4, 5   # DIMS..DIMS+5: the first 6 dims
 SHAPE_HASH = 11
+RED = 12                  # the reduce op's kind (reductions), else -1
 MAX_DIMS = 6
 
 OPS = ("all_reduce", "reduce", "reduce_scatter", "broadcast", "all_gather", "gather", "scatter",
@@ -67,7 +68,7 @@ _op_codes: dict = {}
 _dtype_codes: dict = {None: 0}
 
 
-def _fp(op: str, seq: int, shape=None, dtype=None, peer=None) -> list:
+def _fp(op: str, seq: int, shape=None, dtype=None, peer=None, red=None) -> list:
     """The fingerprint as K Python ints (the hot path of the check: no numpy)."""
     oc = _op_codes.get(op)
     if oc is None:
@@ -75,7 +76,8 @@ def _fp(op: str, seq: int, shape=None, dtype=None, peer=None) -> list:
     dc = _dtype_codes.get(dtype)
     if dc is None:
         dc = _dtype_codes[dtype] = _code(str(dtype).replace("torch.", ""), DTYPES)
-    fp = [oc, seq, dc, -1 if peer is None else int(peer), -1, 0, 0, 0, 0, 0, 0, 0]
+    fp = [oc, seq, dc, -1 if peer is None else int(peer), -1, 0, 0, 0, 0, 0, 0, 0,
+          -1 if red is None else int(red)]
     if shape is not None and op not in SHAPE_FREE:
         n = len(shape)
         fp[NDIM] = n
@@ -87,12 +89,13 @@ def _fp(op: str, seq: int, shape=None, dtype=None, peer=None) -> list:
     return fp
 
 
-def fingerprint(op: str, seq: int, shape=None, dtype=None, peer=None) -> np.ndarray:
-    """(op, seq, dtype, root, shape) as K int64 words: what ranks compare."""
-    return np.array(_fp(op, seq, shape, dtype, peer), dtype=np.int64)
+def fingerprint(op: str, seq: int, shape=None, dtype=None, peer=None, red=None) -> np.ndarray:
+    """(op, seq, dtype, root, shape, reduce op) as K int64 words: what ranks compare."""
+    return np.array(_fp(op, seq, shape, dtype, peer, red), dtype=np.int64)
 
 
-def describe(row, show_seq: bool = False, show_dtype: bool = False) -> str:
+def describe(row, show_seq: bool = False, show_dtype: bool = False,
+             show_red: bool = False) -> str:
     """'broadcast(src=0, shape=[4])' from a fingerprint row."""
     op = _name(int(row[OP]), OPS, "op")
     args = []
@@ -107,6 +110,8 @@ def describe(row, show_seq: bool = False, show_dtype: bool = False) -> str:
                         f"... ({nd} dims)]")
     if show_dtype and row[DTYPE]:
         args.append(f"dtype={_name(int(row[DTYPE]), DTYPES, 'dtype')}")
+    if show_red and row[RED] >= 0:
+        args.append(f"op={_red_name(int(row[RED]))}")
     seq = f" #{int(row[SEQ])}" if show_seq else ""
     return f"{op}{seq}({', '.join(args)})"
 
@@ -120,12 +125,104 @@ def mismatch_message(group: str, world_ranks, rows) -> str:
     kinds = sorted(by.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
     show_seq = len({k[SEQ] for k, _ in kinds}) > 1
     show_dtype = len({k[DTYPE] for k, _ in kinds if k[DTYPE]}) > 1
-    parts = [f"{ranks_word(rs)} called {describe(k, show_seq, show_dtype)}" for k, rs in kinds]
+    show_red = len({k[RED] for k, _ in kinds}) > 1
+    parts = [f"{ranks_word(rs)} called {describe(k, show_seq, show_dtype, show_red)}"
+             for k, rs in kinds]
     text = ", ".join(parts[:-1]) + " while " + parts[-1]
     seq = max(k[SEQ] for k, _ in kinds)
     return (f"collective mismatch on group {group} at collective #{seq} (HPCDDP_DEBUG=detail): "
             f"{text}. Every rank of a group must call the same collectives in the same order, "
             f"with the same shapes, dtypes and roots.")
+
+
+# -- default mode: the agreement on large collectives -----------------------------------------
+# A large collective whose ranks disagree on count, dtype, reduce op or root does not fail in
+# MPI: the shared-memory arena chunks by each rank's own size, Allreduce of int32 against
+# float32 sums the bits, and unequal counts can corrupt the heap. So a collective of at least
+# AGREE_BYTES first agrees on (op, sequence number, element count, dtype, reduce op, root): one
+# 16-byte Allreduce(MIN) of (h, -h) on the private duplicate, where h hashes the call; min(h)
+# == h == max(h) on every rank or every rank raises. It costs one small Allreduce, under 2% of
+# a 1 MiB all_reduce (docs/hangs.md has the measured cost). Smaller collectives are checked
+# with HPCDDP_DEBUG=detail only (the agreement would cost more than the op's budget): the
+# table in docs/hangs.md says what default mode catches at which size.
+AGREE_BYTES = 1 << 20
+AGREE_FREE = SHAPE_FREE | {"gather", "scatter"}   # per-rank sizes that may differ by design
+A_OP, A_SEQ, A_COUNT, A_DTYPE, A_RED, A_ROOT = range(6)
+
+
+def _agree_row(op: str, seq: int, count: int, dtype, red, peer) -> list:
+    return [_op_codes.get(op) or _code(op, OPS), seq, count,
+            _dtype_codes.get(dtype) or _code(str(dtype).replace("torch.", ""), DTYPES),
+            -1 if red is None else int(red), -1 if peer is None else int(peer)]
+
+
+def agreed_start(comm, op: str, shape=None, dtype=None, peer=None, red=None) -> list:
+    """The recorder's ``start``; for a collective of at least AGREE_BYTES also the agreement
+    of every rank on the call (default mode; RED: the reduce op's kind, for reductions)."""
+    entry = _start(comm, op, shape, dtype, peer)
+    if dtype is not None and shape is not None and comm.size > 1:
+        count = 1
+        for d in shape:
+            count *= d
+        if count * dtype.itemsize >= AGREE_BYTES and op not in AGREE_FREE:
+            _agree(comm, entry, _agree_row(op, entry[_rec.SEQ], count, dtype, red, peer))
+    return entry
+
+
+def _agree(comm, entry, row: list) -> None:
+    from hpcddp.comm._mpi import MPI
+    # < 2**62: the count's low 30 bits above the CRC of the whole row
+    h = zlib.crc32(array.array("q", row).tobytes()) | ((row[A_COUNT] & 0x3FFFFFFF) << 32)
+    dup, _ = _dup(comm)
+    seen = np.array([h, -h], dtype=np.int64)
+    dup.Allreduce(MPI.IN_PLACE, seen, MPI.MIN)
+    if seen[0] == h and -seen[1] == h:
+        return
+    rows = np.array(dup.allgather(row), dtype=np.int64)
+    _rec.end(entry)
+    raise CollectiveMismatchError(agreement_message(comm.name, comm.world_ranks, rows))
+
+
+def _call_text(row, op_shown: bool) -> str:
+    parts = [f"count {int(row[A_COUNT])}", _name(int(row[A_DTYPE]), DTYPES, "dtype")]
+    if row[A_RED] >= 0:
+        parts.append(f"op {_red_name(int(row[A_RED]))}")
+    if row[A_ROOT] >= 0:
+        parts.append(f"root {int(row[A_ROOT])}")
+    op = _name(int(row[A_OP]), OPS, "op")
+    return (f"{op} #{int(row[A_SEQ])} " if op_shown else "") + f"({', '.join(parts)})"
+
+
+def _red_name(kind: int) -> str:
+    import torch.distributed as dist
+    for name, value in dist.ReduceOp.RedOpType.__members__.items():
+        if int(value) == kind:
+            return name
+    return str(kind)
+
+
+def agreement_message(group: str, world_ranks, rows) -> str:
+    """What every rank raises when a large collective's ranks disagree: the call each rank
+    made, and the rank(s) that differ from the majority named as the culprit."""
+    by: dict = {}
+    for i, row in enumerate(rows):
+        by.setdefault(tuple(int(x) for x in row), []).append(i)
+    kinds = sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    majority = kinds[0][0]
+    op_shown = len({(k[A_OP], k[A_SEQ]) for k in by}) > 1
+    each = "; ".join(f"rank {i}{'' if world_ranks[i] == i else f' (world rank {world_ranks[i]})'}"
+                     f" {_call_text(row, op_shown)}" for i, row in enumerate(rows))
+    odd = sorted(i for _, rs in kinds[1:] for i in rs)
+    name = _name(majority[A_OP], OPS, "op")
+    if len(kinds) == 1 or len(kinds[0][1]) > len(kinds[1][1]):
+        culprit = (f"The culprit: {ranks_word(odd)}, whose call differs from the other "
+                   f"ranks'")
+    else:
+        culprit = "No majority, so no single culprit: compare the calls above"
+    return (f"{name} #{majority[A_SEQ]} on group {group}: the ranks disagree on the call, so it "
+            f"was not run (it would have given wrong data or corrupted memory): {each}. "
+            f"{culprit}. Every rank of a group must pass the same element count, dtype, "
+            f"reduce op and root.")
 
 
 _dups: dict = {}      # comm uid -> (private duplicate, receive buffer)
@@ -139,12 +236,12 @@ def _dup(comm):
     return d
 
 
-def checked_start(comm, op: str, shape=None, dtype=None, peer=None) -> list:
+def checked_start(comm, op: str, shape=None, dtype=None, peer=None, red=None) -> list:
     """The recorder's ``start`` followed by the cross-rank check (HPCDDP_DEBUG=detail)."""
     entry = _start(comm, op, shape, dtype, peer)
     if comm.size > 1:
         dup, rows = _dup(comm)
-        mine = array.array("q", _fp(op, entry[_rec.SEQ], shape, dtype, peer))
+        mine = array.array("q", _fp(op, entry[_rec.SEQ], shape, dtype, peer, red))
         dup.Allgather(mine, rows)
         got = rows.tobytes()
         if got != mine.tobytes() * comm.size:

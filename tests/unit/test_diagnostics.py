@@ -161,7 +161,20 @@ def test_collectives_choose_the_checked_record_only_when_enabled():
     if config.detail_enabled():
         assert common.record is mismatch.checked_start
     else:
-        assert common.record is recorder.start      # nothing added to the ops when off
+        # default: the recorder plus the agreement of large collectives (nothing else)
+        assert common.record is mismatch.agreed_start
+
+
+def test_agreement_message_names_the_odd_rank_and_every_call():
+    row = lambda count, dtype=1, red=0, root=-1: [1, 4, count, dtype, red, root]  # noqa: E731
+    text = mismatch.agreement_message("WORLD", [0, 1, 2], [row(100), row(100), row(96)])
+    assert text.startswith("all_reduce #4 on group WORLD: the ranks disagree")
+    assert "rank 0 (count 100, float32, op SUM); rank 1 (count 100, float32, op SUM); " \
+           "rank 2 (count 96, float32, op SUM)" in text
+    assert "The culprit: rank 2," in text
+    text = mismatch.agreement_message("g", [4, 5], [row(8, dtype=6), row(8)])
+    assert "rank 0 (world rank 4) (count 8, int32, op SUM)" in text
+    assert "No majority" in text and "culprit: rank" not in text
 
 
 # -- the report ---------------------------------------------------------------------------------

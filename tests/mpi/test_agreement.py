@@ -1,0 +1,104 @@
+"""Default mode: a large collective whose ranks disagree raises on every rank, never runs.
+
+The last rank passes a different element count, dtype, reduce op or root; every rank must
+raise CollectiveMismatchError naming the op, its sequence number, each rank's call and (from
+3 ranks) the last rank as the culprit, with every tensor untouched; the group then works
+on. Through the shared-memory arena (default on one node), plain MPI (arena off) and
+torch.distributed. The sizes: 16 MiB, and 16 MiB minus 4000 bytes on the odd rank (the issue's).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hpcddp
+from hpcddp.collectives import _shm
+from hpcddp.diagnostics.mismatch import AGREE_BYTES, CollectiveMismatchError
+
+N = (16 << 20) // 4          # 16 MiB of float32
+SHORT = N - 1000             # 4000 bytes fewer
+
+
+@pytest.fixture(scope="module")
+def world():
+    if not dist.is_initialized():
+        hpcddp.init_process_group()
+    return dist.group.WORLD
+
+
+@pytest.fixture(params=["arena", "mpi"])
+def path(request, monkeypatch):
+    if request.param == "mpi":
+        monkeypatch.setattr(_shm, "MODE", "0")      # HPCDDP_SHM_ALLREDUCE=0
+    return request.param
+
+
+def odd() -> bool:
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def expect_refused(call, tensor, *needles):
+    before = tensor.clone()
+    with pytest.raises(CollectiveMismatchError) as info:
+        call()
+    text = str(info.value)
+    for needle in needles:
+        assert needle in text, f"{needle!r} not in: {text}"
+    n = dist.get_world_size()
+    if n >= 3:
+        assert f"The culprit: rank {n - 1}," in text, text
+    else:
+        assert "No majority" in text, text
+    assert torch.equal(tensor, before), "a refused collective changed the tensor"
+    # the group is still in step: a correct collective runs right after
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((4,), float(n)))
+
+
+@pytest.mark.parametrize("api", ["torch", "direct"])
+def test_all_reduce_count(world, path, api):
+    t = torch.ones(SHORT if odd() else N)
+    fn = dist.all_reduce if api == "torch" else hpcddp.all_reduce
+    last = dist.get_world_size() - 1
+    expect_refused(lambda: fn(t), t, "all_reduce #", f"rank 0 (count {N}, float32, op SUM)",
+                   f"rank {last} (count {SHORT}, float32, op SUM)")
+
+
+def test_all_reduce_dtype_same_bytes(world, path):
+    t = torch.ones(N, dtype=torch.int32 if odd() else torch.float32)
+    expect_refused(lambda: dist.all_reduce(t), t, "(count 4194304, int32, op SUM)",
+                   "(count 4194304, float32, op SUM)")
+
+
+def test_all_reduce_reduce_op(world, path):
+    t = torch.ones(N)
+    expect_refused(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX if odd() else
+                                           dist.ReduceOp.SUM), t, "op MAX", "op SUM")
+
+
+def test_broadcast_root(world):
+    t = torch.full((N,), float(dist.get_rank()))
+    expect_refused(lambda: dist.broadcast(t, src=1 if odd() else 0), t, "broadcast #",
+                   "root 0", "root 1")
+
+
+def test_reduce_scatter_and_all_gather_into_tensor_counts(world, path):
+    n = dist.get_world_size()
+    c = SHORT if odd() else N
+    out, inp = torch.zeros(c), torch.ones(c * n)
+    expect_refused(lambda: dist.reduce_scatter_tensor(out, inp), out, "reduce_scatter #",
+                   f"(count {SHORT}, float32, op SUM)")
+    big, mine = torch.zeros(c * n), torch.ones(c)
+    expect_refused(lambda: dist.all_gather_into_tensor(big, mine), big, "all_gather #",
+                   f"(count {SHORT}, float32)")
+
+
+def test_agreeing_large_calls_still_run(world, path):
+    n = dist.get_world_size()
+    t = torch.full((AGREE_BYTES // 4 + 5,), float(dist.get_rank()))
+    for _ in range(3):      # repeat calls: large ones are never planned, so always agreed
+        t.fill_(float(dist.get_rank()))
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full_like(t, n * (n - 1) / 2))
