@@ -7,13 +7,18 @@ A tensor sent (or received into) again with the same peer, tag and group runs fr
 isend/irecv then return a C ``P2PWork`` (torch Work's methods, one MPI request). The first
 call takes the full path below, which validates, plans and starts the same way. Without the
 C module, for counts over MPI's int and on the GPU staging path they return a :class:`Work`.
+
+Every receive checks, once it completes, that the message had the tensor's numel: MPI
+completes a shorter one as if nothing were wrong and reports a longer one as a bare
+MPI_ERR_TRUNCATE. recv raises, and an irecv's ``wait()`` raises (its ``exception()`` holds it),
+an error naming the call, the sender, the tag and both sizes (work.count_error).
 """
 from __future__ import annotations
 
 from hpcddp.collectives._common import (as_array, finish_or_work, record_end, resolve,
                                         record_p2p as record)
 from hpcddp.collectives import _large
-from hpcddp.collectives.work import Work
+from hpcddp.collectives.work import RecvWork, check_count, recv_unit, truncation
 from hpcddp.collectives import _device
 from hpcddp.collectives._plans import ISEND, IRECV, SEND, RECV, make_pplan, phit
 from hpcddp.comm.buffers import DeviceTensor
@@ -118,10 +123,8 @@ def _irecv(tensor, src, group, tag, plan: bool):
         if work is not False:
             return work
     entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
-    if big:
-        return Work(_large.recv(comm.mpi, arr, source, tag), [tensor], None, entry)
-    req = comm.mpi.Irecv(arr, source, tag)
-    return Work([req], [tensor], None, entry, status=MPI.Status())
+    reqs = _large.recv(comm.mpi, arr, source, tag) if big else [comm.mpi.Irecv(arr, source, tag)]
+    return RecvWork(reqs, tensor, arr, "irecv", tag, entry)
 
 
 def recv(tensor, src=None, group=None, tag=0) -> int:
@@ -144,10 +147,20 @@ def recv(tensor, src=None, group=None, tag=0) -> int:
     if _large.too_big(arr):
         if source == MPI.ANY_SOURCE:
             source = _large.probe_source(comm.mpi, tag)
-        _large.wait(_large.recv(comm.mpi, arr, source, tag))
-        record_end(entry)
-        return source
-    status = MPI.Status()
-    comm.mpi.Recv(arr, source, tag, status)
+        reqs = _large.recv(comm.mpi, arr, source, tag)
+        statuses = [MPI.Status() for _ in reqs]
+        try:
+            MPI.Request.Waitall(reqs, statuses)
+            cut = False
+        except MPI.Exception as exc:
+            cut = truncation(exc, reqs, statuses)
+    else:
+        statuses = [MPI.Status()]
+        try:
+            comm.mpi.Recv(arr, source, tag, statuses[0])
+            cut = False
+        except MPI.Exception as exc:
+            cut = truncation(exc, None, statuses)
     record_end(entry)
-    return status.Get_source()
+    check_count("recv", tensor, statuses, *recv_unit(arr), tag, cut)
+    return statuses[0].Get_source()

@@ -3,7 +3,8 @@
 Driven by MPI non-blocking requests (no Python thread per op): ``wait()`` waits on them and
 then runs the op's finishing step (copy-out, AVG division...); ``is_completed()`` tests them.
 A subclass of torch's Work, so the same object serves the direct API and torch.distributed
-(DDP's reducer calls ``get_future()`` on it from C++).
+(DDP's reducer calls ``get_future()`` on it from C++). An irecv's is a :class:`RecvWork`,
+which checks the size of the message received (:func:`check_count`).
 
 ``get_future()`` on a pending op: torch completes a Future only when someone sets its result.
 By default hpcddp waits for the op there (``HPCDDP_FUTURE=wait``): correct, and on few cores
@@ -55,16 +56,27 @@ class Work(dist._Work):
             self._exc = exc
         self._done = True
         self._keep = None
+        self._finish = None               # runs once (and may be a method of this Work)
         if self._entry is not None:
             _rec.end(self._entry)
+
+    def _block(self) -> None:
+        """Wait for the requests (caller holds self._lock)."""
+        if self._status is not None:
+            self._requests[0].Wait(self._status)
+        else:
+            MPI.Request.Waitall(self._requests)
+
+    def _poll(self) -> bool:
+        """Whether the requests are complete (caller holds self._lock)."""
+        if self._status is not None:
+            return self._requests[0].Test(self._status)
+        return MPI.Request.Testall(self._requests)
 
     def wait(self, timeout=None) -> bool:
         with self._lock:
             if not self._done:
-                if self._status is not None:
-                    self._requests[0].Wait(self._status)
-                else:
-                    MPI.Request.Waitall(self._requests)
+                self._block()
                 self._complete()
         if self._exc is not None:
             raise self._exc
@@ -72,8 +84,7 @@ class Work(dist._Work):
 
     def is_completed(self) -> bool:
         with self._lock:
-            if not self._done and (self._requests[0].Test(self._status) if self._status is not None
-                                   else MPI.Request.Testall(self._requests)):
+            if not self._done and self._poll():
                 self._complete()
             return self._done
 
@@ -99,6 +110,124 @@ class Work(dist._Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+
+# -- the size of a received message ------------------------------------------------------------
+# MPI completes a receive whose message is shorter than the buffer as if nothing were wrong
+# (the buffer's tail keeps its old contents), and one whose message is longer with a bare
+# MPI_ERR_TRUNCATE. So every recv/irecv reads the count received from its status once it
+# completes (MPI_Get_count: no message, one call and a compare) and raises count_error when it
+# is not the tensor's numel. _fastpath.c does the same in C for planned receives (P2PWork) and
+# builds its error with count_error.
+
+def recv_unit(arr):
+    """(MPI datatype, count): what a receive into the numpy view ARR counts in, as mpi4py
+    picks the datatype (bytes where it has none)."""
+    datatype = MPI._typedict.get(arr.dtype.char)
+    return (MPI.BYTE, arr.nbytes) if datatype is None else (datatype, arr.size)
+
+
+def count_error(fn: str, tensor, source: int, tag: int, nbytes: int,
+                truncated: bool) -> RuntimeError:
+    """The error of FN's receive into TENSOR of a message of NBYTES bytes (negative: unknown)
+    from group rank SOURCE with TAG, which is not TENSOR's size. TRUNCATED: MPI reported the
+    message longer than the tensor (MPI_ERR_TRUNCATE)."""
+    size, want = tensor.element_size(), tensor.numel()
+    if truncated and (nbytes < 0 or nbytes <= want * size):
+        has = f"more than {want} elements"     # an MPI that reports only what it kept
+    elif nbytes < 0:
+        has = "another number of elements"
+    elif nbytes % size:
+        has = f"{nbytes} bytes (not a whole number of {size}-byte elements)"
+    else:
+        has = f"{nbytes // size} elements"
+    text = (f"{fn}: message from rank {source} (tag {tag}) has {has} of {tensor.dtype}, "
+            f"expected {want} (the tensor's numel); the sender sent a different size (send and "
+            f"recv tensors must have the same numel and dtype); ")
+    if truncated:
+        text += ("MPI cut it at the tensor's end (MPI_ERR_TRUNCATE) and may have written the "
+                 "rest past the tensor (Open MPI 5 does above its eager limit): memory after "
+                 "this tensor may be corrupt")
+    elif nbytes >= 0:
+        text += f"elements {nbytes // size}.. of the tensor were left as they were"
+    else:
+        text += "the tensor's elements past the message's were left as they were"
+    return RuntimeError(text)
+
+
+def check_count(fn: str, tensor, statuses, datatype, count: int, tag: int,
+                truncated: bool) -> None:
+    """Raise :func:`count_error` unless the receive into TENSOR whose pieces filled STATUSES
+    got COUNT elements of DATATYPE (see :func:`recv_unit`) in all, and was not cut
+    (TRUNCATED, from :func:`truncation`)."""
+    if len(statuses) == 1:
+        got = statuses[0].Get_count(datatype)
+    else:
+        counts = [st.Get_count(datatype) for st in statuses]
+        got = MPI.UNDEFINED if MPI.UNDEFINED in counts else sum(counts)
+    if got != count or truncated:
+        nbytes = sum(st.Get_elements(MPI.BYTE) for st in statuses)
+        raise count_error(fn, tensor, statuses[0].Get_source(), tag,
+                          -1 if nbytes < 0 else nbytes, truncated)
+
+
+def truncation(exc, requests, statuses) -> bool:
+    """True when EXC, raised by waiting on or testing a receive's REQUESTS (STATUSES: theirs),
+    says a message was longer than its buffer: the receive completed all the same (pieces MPI
+    left pending, MPI_ERR_PENDING, are waited for here) and :func:`check_count` names the sizes.
+    Any other MPI error is raised again."""
+    code = exc.Get_error_class()
+    if code == MPI.ERR_TRUNCATE:
+        return True
+    if code != MPI.ERR_IN_STATUS:
+        raise exc
+    errors = [MPI.Get_error_class(st.Get_error()) for st in statuses]
+    if MPI.ERR_TRUNCATE not in errors \
+            or any(e not in (MPI.SUCCESS, MPI.ERR_PENDING, MPI.ERR_TRUNCATE) for e in errors):
+        raise exc
+    for req, st, e in zip(requests, statuses, errors):
+        if e == MPI.ERR_PENDING:
+            try:
+                req.Wait(st)
+            except MPI.Exception as again:
+                truncation(again, [req], [st])
+    return True
+
+
+class RecvWork(Work):
+    """The Work of an irecv into TENSOR (numpy view ARR) over REQUESTS (one, or one per piece
+    of a count over MPI's int): waits with a status per request, then checks the size of the
+    message (:func:`check_count`); another size is this Work's exception."""
+
+    def __init__(self, requests, tensor, arr, fn: str, tag: int, entry, keep=None):
+        statuses = [MPI.Status() for _ in requests]
+        super().__init__(requests, [tensor], self._check, entry, keep, statuses[0])
+        self._statuses = statuses
+        self._fn, self._tag = fn, tag
+        self._unit = recv_unit(arr)
+        self._truncated = False
+
+    def _check(self) -> None:
+        check_count(self._fn, self._result[0], self._statuses, *self._unit, self._tag,
+                    self._truncated)
+
+    def _block(self) -> None:
+        try:
+            if len(self._requests) == 1:
+                self._requests[0].Wait(self._status)
+            else:
+                MPI.Request.Waitall(self._requests, self._statuses)
+        except MPI.Exception as exc:
+            self._truncated = truncation(exc, self._requests, self._statuses)
+
+    def _poll(self) -> bool:
+        try:
+            if len(self._requests) == 1:
+                return self._requests[0].Test(self._status)
+            return MPI.Request.Testall(self._requests, self._statuses)
+        except MPI.Exception as exc:
+            self._truncated = truncation(exc, self._requests, self._statuses)
+            return True
 
 
 class CompletedWork(Work):
@@ -155,7 +284,7 @@ class TorchP2PWork(dist._Work):
         return self._inner.is_success()
 
     def exception(self):
-        return None
+        return self._inner.exception()
 
     def result(self):
         return self._inner.result()
