@@ -15,6 +15,8 @@
  * with the same peer, tag and group; the non-blocking ones return a P2PWork, a Work whose
  * wait() and is_completed() are MPI_Wait and MPI_Test here: a Python Work cost ~2.8 us to
  * make and wait, as much as the rest of the call (docs/benchmarks.md, "Point-to-point plans").
+ * A completed receive's count is checked as hpcddp.collectives.work.check_count does: another
+ * size than the tensor's (a longer message: MPI_ERR_TRUNCATE) raises work.count_error's error.
  *
  * The plan tuples are made by _plans (make_plan, make_xplan: their layouts are documented
  * there); this file reads them and never creates one. Both hits answer False whenever anything
@@ -39,8 +41,9 @@
    one per kind), the recorder's ring, its slot cycle, its clock, and mpi4py's exception class */
 static PyObject *plans, *xplans, *ring, *slots, *tick, *mpi_exception;
 /* and the p2p plans (a tuple: send plans, recv plans), the recorder's p2p sequence numbers
-   (a dict: communicator uid -> last number) and hpcddp.collectives.work.future_of */
-static PyObject *pplans, *p2p_seq, *future_of;
+   (a dict: communicator uid -> last number), hpcddp.collectives.work.future_of and
+   work.count_error */
+static PyObject *pplans, *p2p_seq, *future_of, *count_error;
 static PyObject *s_op, *s_data_ptr, *s_numel, *s_is_contiguous, *s_dtype, *s_seq, *s_mpi;
 
 enum { P_REF, P_PTR, P_GROUP, P_COMM, P_NUMEL, P_MPI, P_SHAPE, P_DTYPE, P_VIEW, P_OP,
@@ -370,9 +373,12 @@ typedef struct {
     MPI_Request req;
     MPI_Status status;
     int is_recv, done;
+    MPI_Datatype type;     /* a recv's datatype, count and tag: its count check */
+    int count, tag;
     PyObject *result;      /* [tensor]: keeps the buffer alive while MPI may touch it */
     PyObject *entry;       /* the flight-recorder entry */
     PyObject *future;      /* get_future()'s torch Future (work.future_of sets it) */
+    PyObject *exc;         /* a recv's count error (work.count_error), once complete */
     PyThread_type_lock lock;
 } P2PWork;
 
@@ -385,31 +391,87 @@ static void entry_done(PyObject *entry) {
     PyList_SetItem(entry, 7, t_end);
 }
 
-/* after MPI_Wait/MPI_Test said the request is complete; caller holds the GIL and LOCK */
-static void work_completed(P2PWork *w) {
-    w->done = 1;
-    entry_done(w->entry);
+/* 1 if RC, an MPI call's error, says a receive's message was longer than its buffer (the
+   receive completed all the same; its count check names the sizes) */
+static int is_truncation(int rc) {
+    int cls = rc;
+    MPI_Error_class(rc, &cls);
+    return cls == MPI_ERR_TRUNCATE;
 }
 
-/* wait for W's request: 0, or -1 with mpi4py's exception set (the entry stays in flight, as
-   in Work.wait) */
+/* 1 if the receive that filled ST got COUNT elements of TYPE (MPI_Get_count; a message of
+   another size, or not a whole number of elements, is 0) */
+static int count_holds(MPI_Status *st, MPI_Datatype type, int count) {
+    int got = MPI_UNDEFINED;
+    return MPI_Get_count(st, type, &got) == MPI_SUCCESS && got == count;
+}
+
+/* the exception being raised, taken (a new reference) */
+static PyObject *take_exception(void) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
+/* the error of FN's receive into TENSOR that filled ST with tag TAG, whose count does not
+   hold (TRUNCATED: MPI said the message was longer): work.count_error's, a new reference
+   (or the exception that building it raised) */
+static PyObject *count_error_of(const char *fn, PyObject *tensor, MPI_Status *st, int tag,
+                                int truncated) {
+    MPI_Count nbytes = -1;
+    if (MPI_Get_elements_x(st, MPI_BYTE, &nbytes) != MPI_SUCCESS || nbytes == MPI_UNDEFINED)
+        nbytes = -1;
+    PyObject *exc = PyObject_CallFunction(count_error, "sOiiLO", fn, tensor, st->MPI_SOURCE, tag,
+                                          (long long)nbytes, truncated ? Py_True : Py_False);
+    return exc != NULL ? exc : take_exception();
+}
+
+/* after MPI_Wait/MPI_Test said the request is complete (RC: what it returned); caller holds
+   the GIL and LOCK. A recv's message longer than the tensor completes it too; then, or when
+   its count does not hold, w->exc is its error. Returns RC when it is another error (W stays
+   pending, as a Work whose wait raised), else MPI_SUCCESS. */
+static int work_completed(P2PWork *w, int rc) {
+    int truncated = rc != MPI_SUCCESS;
+    if (truncated && !(w->is_recv && is_truncation(rc)))
+        return rc;
+    w->done = 1;
+    entry_done(w->entry);
+    if (w->is_recv && (truncated || !count_holds(&w->status, w->type, w->count)))
+        w->exc = count_error_of("irecv", PyList_GET_ITEM(w->result, 0), &w->status, w->tag,
+                                truncated);
+    return MPI_SUCCESS;
+}
+
+/* W's count error raised: -1 (as a Work's wait raises its exception each time) */
+static int raise_work_exc(P2PWork *w) {
+    PyErr_SetObject((PyObject *)Py_TYPE(w->exc), w->exc);
+    return -1;
+}
+
+/* wait for W's request: 0, or -1 with an exception set: mpi4py's (the entry stays in flight,
+   as in Work.wait) or a recv's count error */
 static int work_finish(P2PWork *w) {
-    if (w->done)
-        return 0;
-    int rc = MPI_SUCCESS;
-    Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(w->lock, WAIT_LOCK);
-    if (!w->done)
-        rc = MPI_Wait(&w->req, &w->status);
-    Py_END_ALLOW_THREADS
-    if (rc == MPI_SUCCESS && !w->done)
-        work_completed(w);
-    PyThread_release_lock(w->lock);
-    if (rc != MPI_SUCCESS) {
-        raise_mpi(rc);
-        return -1;
+    if (!w->done) {
+        int rc = MPI_SUCCESS;
+        Py_BEGIN_ALLOW_THREADS
+        PyThread_acquire_lock(w->lock, WAIT_LOCK);
+        if (!w->done)
+            rc = MPI_Wait(&w->req, &w->status);
+        Py_END_ALLOW_THREADS
+        if (!w->done)
+            rc = work_completed(w, rc);
+        PyThread_release_lock(w->lock);
+        if (rc != MPI_SUCCESS) {
+            raise_mpi(rc);
+            return -1;
+        }
     }
-    return 0;
+    return w->exc != NULL ? raise_work_exc(w) : 0;
 }
 
 static PyObject *work_wait(P2PWork *w, PyObject *args, PyObject *kw) {
@@ -426,8 +488,8 @@ static PyObject *work_is_completed(P2PWork *w, PyObject *unused) {
     /* another thread inside wait(): not known to be complete yet */
     if (!w->done && PyThread_acquire_lock(w->lock, NOWAIT_LOCK)) {
         int flag = 0, rc = w->done ? MPI_SUCCESS : MPI_Test(&w->req, &flag, &w->status);
-        if (rc == MPI_SUCCESS && flag && !w->done)
-            work_completed(w);
+        if ((rc != MPI_SUCCESS || flag) && !w->done)
+            rc = work_completed(w, rc);
         PyThread_release_lock(w->lock);
         if (rc != MPI_SUCCESS) {
             raise_mpi(rc);
@@ -437,8 +499,16 @@ static PyObject *work_is_completed(P2PWork *w, PyObject *unused) {
     return PyBool_FromLong(w->done);
 }
 
+static PyObject *work_is_success(P2PWork *w, PyObject *unused) {
+    PyObject *done = work_is_completed(w, NULL);
+    if (done == NULL || w->exc == NULL)
+        return done;
+    Py_DECREF(done);
+    Py_RETURN_FALSE;
+}
+
 static PyObject *work_exception(P2PWork *w, PyObject *unused) {
-    Py_RETURN_NONE;                       /* a send/recv has no finishing step to fail */
+    return Py_NewRef(w->exc != NULL ? w->exc : Py_None);   /* a recv's count error */
 }
 
 static PyObject *work_result(P2PWork *w, PyObject *unused) {
@@ -483,6 +553,7 @@ static void work_dealloc(P2PWork *w) {
     Py_XDECREF(w->result);
     Py_XDECREF(w->entry);
     Py_XDECREF(w->future);
+    Py_XDECREF(w->exc);
     if (w->lock)
         PyThread_free_lock(w->lock);
     Py_TYPE(w)->tp_free((PyObject *)w);
@@ -500,9 +571,10 @@ static PyMethodDef work_methods[] = {
      "reused or read). The timeout is accepted and ignored, as MPI_Wait has none."},
     {"is_completed", (PyCFunction)work_is_completed, METH_NOARGS,
      "Whether the transfer has completed (MPI_Test: also makes progress on it)."},
-    {"is_success", (PyCFunction)work_is_completed, METH_NOARGS,
-     "Completed without error (a send/recv has no finishing step): is_completed()."},
-    {"exception", (PyCFunction)work_exception, METH_NOARGS, "None (see is_success)."},
+    {"is_success", (PyCFunction)work_is_success, METH_NOARGS,
+     "Completed, and not a recv whose message had another size than the tensor."},
+    {"exception", (PyCFunction)work_exception, METH_NOARGS,
+     "A recv's count error once complete (hpcddp.collectives.work.count_error), else None."},
     {"result", (PyCFunction)work_result, METH_NOARGS, "[tensor]: the future's value."},
     {"source_rank", (PyCFunction)work_source_rank, METH_NOARGS,
      "The group rank the message came from (a recv; waits for it)."},
@@ -619,7 +691,10 @@ static PyObject *run_pplan(PyObject *plan, long op, PyObject *const *args) {
         w->req = MPI_REQUEST_NULL;
         w->is_recv = op == IRECV;
         w->done = 1;                      /* until started: dealloc frees nothing */
-        w->entry = w->future = NULL;
+        w->type = (MPI_Datatype)htype;
+        w->count = (int)count;
+        w->tag = mpi_tag;
+        w->entry = w->future = w->exc = NULL;
         w->result = PyList_New(1);
         w->lock = PyThread_allocate_lock();
         if (w->result == NULL || w->lock == NULL) {
@@ -645,7 +720,8 @@ static PyObject *run_pplan(PyObject *plan, long op, PyObject *const *args) {
     default: rc = MPI_Recv(buf, (int)count, type, mpi_peer, mpi_tag, comm, &status); break;
     }
     Py_END_ALLOW_THREADS
-    if (rc != MPI_SUCCESS) {              /* the entry stays in flight, as in Python */
+    int truncated = op == RECV && rc != MPI_SUCCESS && is_truncation(rc);   /* completed */
+    if (rc != MPI_SUCCESS && !truncated) {   /* the entry stays in flight, as in Python */
         Py_DECREF(entry);
         Py_XDECREF(w);
         raise_mpi(rc);
@@ -660,19 +736,28 @@ static PyObject *run_pplan(PyObject *plan, long op, PyObject *const *args) {
     Py_DECREF(entry);
     if (op == SEND)
         Py_RETURN_TRUE;
+    if (truncated || !count_holds(&status, type, (int)count)) {
+        PyObject *exc = count_error_of("recv", tensor, &status, mpi_tag, truncated);
+        if (exc != NULL) {
+            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+            Py_DECREF(exc);
+        }
+        return NULL;
+    }
     return PyLong_FromLong(status.MPI_SOURCE);
 }
 
 static PyObject *configure(PyObject *self, PyObject *args) {
-    PyObject *p, *x, *r, *s, *t, *e, *q, *seq, *fut;
-    if (!PyArg_ParseTuple(args, "O!O!O!OO!OO!O!O:configure", &PyDict_Type, &p, &PyTuple_Type, &x,
-                          &PyList_Type, &r, &s, &PyList_Type, &t, &e, &PyTuple_Type, &q,
-                          &PyDict_Type, &seq, &fut))
+    PyObject *p, *x, *r, *s, *t, *e, *q, *seq, *fut, *cerr;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!OO!O!OO:configure", &PyDict_Type, &p, &PyTuple_Type,
+                          &x, &PyList_Type, &r, &s, &PyList_Type, &t, &e, &PyTuple_Type, &q,
+                          &PyDict_Type, &seq, &fut, &cerr))
         return NULL;
     if (PyTuple_GET_SIZE(q) != 2 || !PyDict_Check(PyTuple_GET_ITEM(q, 0))
-            || !PyDict_Check(PyTuple_GET_ITEM(q, 1)) || !PyCallable_Check(fut)) {
-        PyErr_SetString(PyExc_TypeError, "configure: pplans must be a tuple of two dicts and "
-                        "future_of a callable");
+            || !PyDict_Check(PyTuple_GET_ITEM(q, 1)) || !PyCallable_Check(fut)
+            || !PyCallable_Check(cerr)) {
+        PyErr_SetString(PyExc_TypeError, "configure: pplans must be a tuple of two dicts, and "
+                        "future_of and count_error callables");
         return NULL;
     }
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(x); k++)
@@ -694,6 +779,7 @@ static PyObject *configure(PyObject *self, PyObject *args) {
     Py_XSETREF(pplans, Py_NewRef(q));
     Py_XSETREF(p2p_seq, Py_NewRef(seq));
     Py_XSETREF(future_of, Py_NewRef(fut));
+    Py_XSETREF(count_error, Py_NewRef(cerr));
     Py_RETURN_NONE;
 }
 
@@ -717,8 +803,8 @@ static PyMethodDef methods[] = {
      "IRECV: return its P2PWork; SEND: True; RECV: the sender's rank), or return False (no "
      "plan, or it no longer holds)."},
     {"configure", configure, METH_VARARGS,
-     "configure(plans, xplans, ring, slots, tick, mpi_exception, pplans, p2p_seq, future_of): "
-     "what the hits read."},
+     "configure(plans, xplans, ring, slots, tick, mpi_exception, pplans, p2p_seq, future_of, "
+     "count_error): what the hits read."},
     {"library_version", library_version, METH_NOARGS,
      "MPI_Get_library_version() of the MPI this module was built and linked with."},
     {NULL, NULL, 0, NULL}};

@@ -28,7 +28,7 @@ from hpcddp.comm._mpi import MPI
 from hpcddp.collectives import _large, _node
 from hpcddp.diagnostics import recorder as _rec
 from hpcddp.collectives._common import IN_PLACE, record, record_end
-from hpcddp.collectives.work import future_of
+from hpcddp.collectives.work import count_error, future_of
 
 MAX_PLANS = 4096
 plans: dict = {}
@@ -239,7 +239,7 @@ def _load_c():
         return None, (f"built against another MPI ({ours.splitlines()[0]!r}) than mpi4py's "
                       f"({theirs.splitlines()[0]!r}): reinstall hpcddp")
     _fastpath.configure(plans, xplans, _rec.RECORDER.buf, _rec.RECORDER._slots, _rec.TICK,
-                        MPI.Exception, pplans, _rec.RECORDER._p2p_seq, future_of)
+                        MPI.Exception, pplans, _rec.RECORDER._p2p_seq, future_of, count_error)
     return _fastpath, ""
 
 
