@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from hpcddp.data import NotReadyError, open_dataset
+from hpcddp.data import NotReadyError, destlock, open_dataset
 from hpcddp.data import manifest as mf
 from hpcddp.launch.mpirun import run_mpi
 
@@ -84,10 +84,15 @@ def test_stage_killed_mid_copy_then_resumed(tmp_path):
     assert any(n.endswith(mf.PARTIAL_SUFFIX) for n in names)  # killed inside a shard
     with pytest.raises(NotReadyError, match="half-staged"):
         open_dataset(node1)
+    left = json.loads((node1 / destlock.LOCK_NAME).read_text())   # the killed leader's lock
 
     out = tmp_path / "summary.json"
     again = run_mpi(2, argv + ["--json", str(out)], timeout=TIMEOUT, env=_env())
     assert again.returncode == 0, again.stdout + again.stderr
+    assert (f"[rank1] stage: {node1}: taking over the lock left by pid {left['pid']} on host "
+            in again.stderr and f"pid {left['pid']} is no longer running" in again.stderr), \
+        again.stderr
+    assert not (node1 / destlock.LOCK_NAME).exists()
     s = json.loads(out.read_text())
     assert s["shards_skipped"] >= 1  # finished shards of the killed run were kept
     assert s["shards_copied"] + s["shards_skipped"] == 2 * s["num_shards"]

@@ -6,8 +6,9 @@ DESCRIPTION = """\
 Stage a packed data set (`hpcddp pack`) from the shared file system to node-local storage.
 Run it under mpirun/srun with the job's ranks: node leaders split the shards, each reads its
 own range once, and MPI carries every shard to every node of the group. Writes go to a
-temporary name, are checked against the manifest's SHA-256 and renamed; READY appears last.
-A re-run keeps verified shards (resume after a crash).
+temporary name, are checked against the manifest's CRC-32C and renamed; READY appears last.
+A re-run keeps verified shards (resume after a crash). One stager per destination: a second
+one waits for the first (--lock-wait), and takes over a lock whose holder died.
 
     srun hpcddp stage /lustre/me/images.lmdb '$SLURM_TMPDIR/images'
     mpirun -n 8 hpcddp stage /lustre/me/d /dev/shm/d --mode partition --group-nodes 4
@@ -36,8 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=parse_size, default="16M", metavar="SIZE",
                         help="bytes per read and per message (default 16M)")
     parser.add_argument("--verify", choices=("auto", "full", "size"), default="auto",
-                        help="shards already in DEST: auto hashes them unless a READY for this "
-                             "manifest vouches for them; full always hashes; size only stats")
+                        help="shards already in DEST: auto hashes those that READY (for this "
+                             "manifest) does not vouch for, or that changed (size, mtime, "
+                             "ctime, inode) since READY; full always hashes; size only stats")
+    parser.add_argument("--lock-wait", type=float, default=1800.0, metavar="SECONDS",
+                        help="one stager per destination: wait this long for another stager "
+                             "holding DEST's lock (rank 0 says whom: host, pid, job), then fail; "
+                             "0 refuses at once (default: %(default)g)")
     parser.add_argument("--fsync", action="store_true", help="fsync each shard before renaming")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--json", metavar="PATH",
@@ -56,7 +62,8 @@ def run(args) -> int:
     try:
         result = stage(args.source, args.dest, mode=args.mode, group_nodes=args.group_nodes,
                        strategy=args.strategy, chunk_bytes=args.chunk_size, verify=args.verify,
-                       fsync=args.fsync, progress=not args.no_progress)
+                       fsync=args.fsync, progress=not args.no_progress,
+                       lock_wait=args.lock_wait)
     except (StageError, ValueError) as exc:
         if rank == 0:
             log(f"hpcddp stage: {exc}")

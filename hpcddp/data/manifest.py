@@ -326,9 +326,41 @@ class Checker:
 
 def file_matches(path: str, shard: "Shard") -> bool:
     """Does the file hold this shard (fast checksum: CRC-32C when recorded, else SHA-256)?"""
+    return file_checker(path, shard).ok()
+
+
+def file_checker(path: str, shard: "Shard") -> Checker:
+    """A :class:`Checker` fed the whole file: ``.ok()``, ``.hexdigest()``, ``.expected()``."""
     c = Checker(shard)
     _scan(path, [c.update])
-    return c.ok()
+    return c
+
+
+def _stat_of(path: str) -> dict:
+    st = os.stat(path)
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+            "ino": st.st_ino}
+
+
+def shard_stats(directory: str, m: "Manifest", indices: Iterable[int]) -> dict:
+    """{shard name: its size, mtime, ctime and inode} for the given shards in ``directory``:
+    what READY records, so that a later ``--verify auto`` hashes the shards changed since."""
+    return {m.shards[i].name: _stat_of(os.path.join(directory, m.shards[i].name))
+            for i in sorted(indices)}
+
+
+def stat_matches(path: str, recorded: dict | None) -> bool:
+    """Is the file's stat still the one recorded (False when none was)?
+
+    Any write changes mtime and ctime (ctime cannot be set back by ``touch``/``os.utime``);
+    a replaced file has another inode.
+    """
+    if not recorded:
+        return False
+    try:
+        return _stat_of(path) == recorded
+    except OSError:
+        return False
 
 
 def read_marker(path: str, name: str) -> dict | None:
@@ -344,6 +376,18 @@ def read_marker(path: str, name: str) -> dict | None:
         return {}
 
 
+def _stager_state(staging: dict) -> str:
+    """What the STAGING marker's writer is doing now, as far as this host can tell."""
+    from hpcddp.data.destlock import describe, holder_alive
+    alive = holder_alive(staging)
+    if alive is None:
+        return (f"the stager ({describe(staging)}) is still running or died before finishing"
+                if "pid" in staging else "a stager is still running or died before finishing")
+    if alive:
+        return f"its stager ({describe(staging)}) is still running"
+    return f"its stager ({describe(staging)}) died before finishing"
+
+
 def check_ready(path: str, who: str, shards: Sequence[Shard] | None = None) -> dict | None:
     """Refuse a half-staged copy; return the READY document of a staged copy (None: a pack).
 
@@ -355,8 +399,8 @@ def check_ready(path: str, who: str, shards: Sequence[Shard] | None = None) -> d
         since = staging.get("started", "?")
         raise NotReadyError(
             f"{who}: {path} is a half-staged copy ({STAGING} marker from {since}, no {READY}): "
-            f"a stager is still running or died before finishing; re-run `hpcddp stage SRC "
-            f"{path}` to complete it (verified shards are kept), or read the source instead")
+            f"{_stager_state(staging)}; re-run `hpcddp stage SRC {path}` to complete it "
+            f"(verified shards are kept), or read the source instead")
     ready = read_marker(path, READY)
     if shards is not None:
         local = None if ready is None or ready.get("local_shards") is None else set(ready["local_shards"])

@@ -19,7 +19,9 @@ nothing travels). Each shard is streamed in chunks (data sets larger than memory
 written under a temporary name, hashed as it is written, compared with the manifest's SHA-256
 and renamed; the node's ``READY`` marker comes last, after every rank agrees that all went
 well. A re-run keeps shards that are already in place and verified, so a killed stager
-resumes. Free space is checked on every node before anything is written.
+resumes. Free space is checked on every node before anything is written. One stager per
+destination: each node leader holds its destination's lock (:mod:`hpcddp.data.destlock`)
+from before it touches any file there until :func:`stage` returns.
 
 Only the MPI layer (``hpcddp.comm``) is used: never torch.distributed.
 """
@@ -37,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from hpcddp.data import destlock
 from hpcddp.data import manifest as mf
 
 MODES = ("replicate", "partition")
@@ -47,6 +50,8 @@ NBUFS = 4                          # chunk buffers per leader: read-ahead + writ
 _KILL_ENV = "HPCDDP_STAGE_KILL_AFTER_CHUNKS"   # testing: exit after N chunks written...
 _KILL_RANK_ENV = "HPCDDP_STAGE_KILL_RANK"       # ...on this world rank (default 0)
 _POLL_S = 0.002
+DEFAULT_LOCK_WAIT_S = 1800.0       # as long as torch's default collective timeout
+_LOCK_POLL_S = (0.2, 0.6)          # seconds between tries of a held lock (random in range)
 
 
 class StageError(RuntimeError):
@@ -431,6 +436,65 @@ def _agree(comm, err: str | None, what: str) -> None:
         raise StageError(f"stage: {what}: " + "; ".join(uniq[:3]) + more)
 
 
+def _lock_destination(world, topo, node_dest: str, held: list, wait_s: float) -> float:
+    """Every node leader takes its destination's lock (:mod:`hpcddp.data.destlock`); called
+    by all ranks; returns the seconds it took (waiting included), or raises StageError on all.
+
+    All or none: each round, every leader tries its lock without blocking; if any is held
+    elsewhere, the ones taken this round are released and every rank sleeps and tries again.
+    So two jobs whose nodes share destinations never each hold a part and wait for the rest.
+    Rank 0 says once whom it waits for; past ``wait_s`` seconds (the same round on every rank:
+    the verdict travels in the allgather) every rank raises the same StageError.
+    """
+    import random
+
+    from hpcddp.comm import log
+    t0 = time.monotonic()
+    lock, told = None, False
+    while True:
+        busy = err = None
+        if topo.is_leader:
+            try:
+                lock = lock or destlock.DestLock(node_dest)
+                os.makedirs(node_dest, exist_ok=True)
+                busy = lock.try_acquire()
+            except (OSError, ValueError) as exc:
+                err = f"node {topo.node}: locking {os.path.join(node_dest, destlock.LOCK_NAME)}: {exc}"
+            if lock is not None and lock.took_over is not None:
+                log(f"stage: {node_dest}: taking over the lock left by "
+                    f"{destlock.describe(lock.took_over)}: {destlock.why_dead(lock.took_over)}")
+                lock.took_over = None
+        expired = time.monotonic() - t0 >= wait_s
+        states = world.allgather((busy, err, expired, topo.node, topo.hostname, node_dest))
+        errs = [s[1] for s in states if s[1]]
+        blocked = [s for s in states if s[0] is not None]
+        if lock is not None and lock.held and (errs or blocked):
+            lock.release()
+        if errs:
+            raise StageError("stage: lock: " + "; ".join(list(dict.fromkeys(errs))[:3]))
+        if not blocked:
+            if lock is not None:
+                held.append(lock)
+            if told and world.Get_rank() == 0:
+                log(f"stage: got the destination lock after {time.monotonic() - t0:.1f} s")
+            return time.monotonic() - t0
+        holder, _, _, node, host, path = blocked[0]
+        who = (f"{path} on node {node} ({host}) is being staged by another stager: "
+               f"{destlock.describe(holder)} (lock file {os.path.join(path, destlock.LOCK_NAME)})"
+               + (f", and {len(blocked) - 1} more destination(s)" if len(blocked) > 1 else ""))
+        if any(s[2] for s in states):
+            waited = ("lock_wait=0: refusing instead of waiting" if wait_s == 0 else
+                      f"still held after waiting lock_wait={wait_s:g} s")
+            raise StageError(f"stage: DEST {who}; {waited}: let that job finish (a re-run then "
+                             f"finds its verified shards in place), stage to another directory, "
+                             f"or raise --lock-wait")
+        if not told and world.Get_rank() == 0:
+            log(f"stage: waiting for the destination lock: {who}; waiting up to {wait_s:g} s "
+                f"(--lock-wait)")
+        told = True
+        time.sleep(random.uniform(*_LOCK_POLL_S))
+
+
 def _quiet_barrier(comm) -> None:
     """A barrier that sleeps instead of spinning, leaving the cores to ranks still copying."""
     req = comm.Ibarrier()
@@ -459,6 +523,9 @@ def _inspect(dest: str, m: mf.Manifest, need: list[int], verify: str, src_raw: b
     ready = mf.read_marker(dest, mf.READY)
     trusted = (verify == "auto" and ready is not None and mf.read_marker(dest, mf.STAGING) is None
                and ready.get("manifest_sha256") == _sha(src_raw))
+    # READY vouches for a shard only while its stat is the one recorded when READY was
+    # written: a shard written, replaced or touched since is hashed again
+    stats = (ready.get("shard_stats") or {}) if trusted else {}
     try:
         names = os.listdir(dest)
     except FileNotFoundError:
@@ -474,7 +541,7 @@ def _inspect(dest: str, m: mf.Manifest, need: list[int], verify: str, src_raw: b
             p = os.path.join(dest, sh.name)
             size = os.path.getsize(p)
             ok = size == sh.bytes
-            if ok and verify != "size" and not trusted:
+            if ok and verify != "size" and not mf.stat_matches(p, stats.get(sh.name)):
                 ok = mf.file_matches(p, sh)
             if ok:
                 have.append(s)
@@ -483,6 +550,34 @@ def _inspect(dest: str, m: mf.Manifest, need: list[int], verify: str, src_raw: b
             reclaim += _blocks(size)
         todo.append(s)
     return have, todo, stale, reclaim
+
+
+def _layout(raw: bytes, mode: str, topo, groups, mine: list[int]) -> dict:
+    """What READY says about where this node's copy sits (the markers' comparable part)."""
+    return {"manifest_sha256": _sha(raw), "mode": mode, "node": topo.node,
+            "group": groups.group_rank, "num_groups": groups.group_ws,
+            "nodes_in_group": groups.nodes, "node_in_group": groups.node_in_group,
+            "local_shards": sorted(mine)}
+
+
+def _ready_holds(dest: str, raw: bytes, layout: dict, m: mf.Manifest, mine: list[int]) -> bool:
+    """Does ``dest``'s READY already say what this run would write: same manifest, same
+    layout, every local shard's stat unchanged since? A run with nothing to copy then leaves
+    the markers alone, so a job reading the copy meanwhile never finds it half-staged."""
+    ready = mf.read_marker(dest, mf.READY)
+    if not ready or mf.read_marker(dest, mf.STAGING) is not None:
+        return False
+    if any(ready.get(k) != v for k, v in layout.items()):
+        return False
+    stats = ready.get("shard_stats") or {}
+    if not all(mf.stat_matches(os.path.join(dest, m.shards[i].name), stats.get(m.shards[i].name))
+               for i in mine):
+        return False
+    try:
+        with open(os.path.join(dest, mf.MANIFEST), "rb") as f:
+            return f.read() == raw
+    except OSError:
+        return False
 
 
 def _sha(raw: bytes) -> str:
@@ -510,7 +605,8 @@ def auto_strategy(group_nodes: int, chunk_bytes: int) -> str:
 
 def stage(src: str, dest: str, *, mode: str = "replicate", group_nodes: int | None = None,
           strategy: str = "auto", chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify: str = "auto",
-          fsync: bool = False, progress: bool = True) -> StageResult:
+          fsync: bool = False, progress: bool = True,
+          lock_wait: float = DEFAULT_LOCK_WAIT_S) -> StageResult:
     """Copy the packed data set ``src`` to node-local ``dest`` on every node (collective).
 
     Every rank of the job calls it with the same arguments; it returns the same
@@ -529,11 +625,28 @@ def stage(src: str, dest: str, *, mode: str = "replicate", group_nodes: int | No
         chunk_bytes: bytes per read and per message (memory per leader: 4 chunks; allgather:
             4 x group_nodes chunks).
         verify: shards already in ``dest``: ``"auto"`` (hash them unless a READY marker for
-            this very manifest vouches for them), ``"full"`` (always hash), ``"size"``.
+            this very manifest vouches for them: it does for a shard whose size, mtime, ctime
+            and inode are the ones it recorded), ``"full"`` (always hash), ``"size"``.
         fsync: fsync each shard before renaming it (node-local scratch rarely needs it: a
             crash that loses page-cache data usually loses the node's scratch too).
         progress: a tqdm bar of bytes written, on each node leader.
+        lock_wait: seconds a node leader waits for another stager holding its destination's
+            lock (:mod:`hpcddp.data.destlock`) before every rank raises StageError; 0 refuses
+            at once. Rank 0 says once whom it waits for (host, pid, job).
     """
+    held: list = []   # the destination lock this process took, released however we leave
+    try:
+        return _stage(src, dest, held, mode=mode, group_nodes=group_nodes, strategy=strategy,
+                      chunk_bytes=chunk_bytes, verify=verify, fsync=fsync, progress=progress,
+                      lock_wait=lock_wait)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def _stage(src, dest, held, *, mode, group_nodes, strategy, chunk_bytes, verify, fsync, progress,
+           lock_wait) -> StageResult:
+    """:func:`stage`'s body; takes the destination lock into ``held``."""
     t_start = time.perf_counter()
     if mode not in MODES:
         raise ValueError(f"stage: mode={mode!r}, expected one of {list(MODES)}")
@@ -545,6 +658,8 @@ def stage(src: str, dest: str, *, mode: str = "replicate", group_nodes: int | No
         raise ValueError(f"stage: chunk_bytes={chunk_bytes!r}, expected an int in 1..{MAX_CHUNK_BYTES}")
     if group_nodes is not None and (not isinstance(group_nodes, int) or group_nodes < 1):
         raise ValueError(f"stage: group_nodes={group_nodes!r}, expected a positive int or None")
+    if not isinstance(lock_wait, (int, float)) or not 0 <= lock_wait < float("inf"):
+        raise ValueError(f"stage: lock_wait={lock_wait!r}, expected seconds >= 0 (0: refuse at once)")
     src = os.path.abspath(os.fspath(src))
 
     import hpcddp.comm as hc
@@ -601,6 +716,7 @@ def stage(src: str, dest: str, *, mode: str = "replicate", group_nodes: int | No
             err = (f"nodes {ns} all resolve DEST to {p} on host {h}: they would overwrite each "
                    f"other; put {{node}} in DEST (e.g. /dev/shm/data-{{node}})")
     _agree(world, err, "destination")
+    lock_s = _lock_destination(world, topo, node_dest, held, lock_wait)
 
     gsize = gl.Get_size() if gl is not None else 0
     g_index = gl.Get_rank() if gl is not None else -1
@@ -631,13 +747,14 @@ def stage(src: str, dest: str, *, mode: str = "replicate", group_nodes: int | No
     _agree(world, err, "plan")
 
     # nothing is written before this point (but the directory): now mark the copy as in progress
-    if writer and (not every or topo.local_rank == 0):
+    layout = _layout(raw, mode, topo, groups, mine)
+    keep = writer and not todo and not stale and _ready_holds(node_dest, raw, layout, m, mine)
+    if writer and (not every or topo.local_rank == 0) and not keep:
         try:
             if os.path.exists(os.path.join(node_dest, mf.READY)):
                 os.remove(os.path.join(node_dest, mf.READY))
             mf.write_atomic(os.path.join(node_dest, mf.STAGING), mf.dumps(
-                {"started": _now(), "source": src, "host": topo.hostname, "pid": os.getpid(),
-                 "mode": mode, "strategy": strategy}))
+                dict(destlock.my_record(node_dest), source=src, mode=mode, strategy=strategy)))
         except OSError as exc:
             err = f"node {topo.node}: {exc}"
     if writer and (not every or topo.local_rank == 0):
@@ -685,7 +802,7 @@ def stage(src: str, dest: str, *, mode: str = "replicate", group_nodes: int | No
               "bytes_written": bytes_written,
               "copied": len(copied), "skipped": len(have), "errors": errors,
               "read_s": read_s, "write_s": write_s, "hash_s": hash_s, "dest": node_dest,
-              "plan_s": t_plan - t_start, "copy_s": t_copy_local - t_plan}
+              "plan_s": t_plan - t_start, "copy_s": t_copy_local - t_plan, "lock_s": lock_s}
     reports = world.allgather(report)
     all_errors = [f"node {r['node']} (rank {r['rank']}): {e}" for r in reports for e in r["errors"]]
     if all_errors:
@@ -693,16 +810,13 @@ def stage(src: str, dest: str, *, mode: str = "replicate", group_nodes: int | No
         raise StageError(f"stage: {len(all_errors)} shard copies failed, nothing marked {mf.READY}: "
                          + "; ".join(all_errors[:5]) + more)
     err = None
-    if writer and (not every or topo.local_rank == 0):
+    if writer and (not every or topo.local_rank == 0) and not keep:
         try:
             mpath = os.path.join(node_dest, mf.MANIFEST)
             if not (os.path.exists(mpath) and open(mpath, "rb").read() == raw):
                 mf.write_atomic(mpath, raw, fsync)
-            ready = {"staged": _now(), "source": src, "manifest_sha256": _sha(raw), "mode": mode,
-                     "strategy": strategy, "node": topo.node, "group": groups.group_rank,
-                     "num_groups": groups.group_ws, "nodes_in_group": groups.nodes,
-                     "node_in_group": groups.node_in_group, "local_shards": sorted(mine),
-                     "host": topo.hostname}
+            ready = dict(layout, staged=_now(), source=src, strategy=strategy, host=topo.hostname,
+                         shard_stats=mf.shard_stats(node_dest, m, mine))
             mf.write_atomic(os.path.join(node_dest, mf.READY), mf.dumps(ready), fsync)
             os.remove(os.path.join(node_dest, mf.STAGING))
         except OSError as exc:
@@ -923,7 +1037,8 @@ def _result(src, dest, mode, strategy, topo, k, ngroups, chunk, m, raw, reports,
             dests[r["node"]] = r["dest"]
     seconds = max(t[3] for t in times)
     phases = {"plan": max(t[0] for t in times), "copy": max(t[1] for t in times),
-              "finalize": max(t[2] for t in times)}
+              "finalize": max(t[2] for t in times),
+              "lock": max(r["lock_s"] for r in reports)}  # inside plan: waiting included
     total_read = sum(per_group)
     written = sum(per_node)
     lead = [r for r in reports if r["writer"]]
