@@ -15,6 +15,13 @@ Read paths:
 
 A copy that a stager has not finished (``STAGING`` present, a shard missing or of the wrong
 size) is refused at construction with an error that says how to finish it.
+
+Integrity: the first time a process opens a shard, it checks the whole file against the
+manifest's CRC-32C (SHA-256 for manifests without one) before reading any sample from it, once
+per shard per process (a forked or spawned worker checks again: its own first open). A byte
+changed in a staged copy after it was verified raises DatasetError naming the shard, instead
+of a wrong sample. ``check=False``, or ``HPCDDP_DATA_CHECK=0`` in the environment, skips it
+(docs/data.md has its cost).
 """
 from __future__ import annotations
 
@@ -29,6 +36,20 @@ from hpcddp.data import manifest as mf
 from hpcddp.data.packing import lmdb_key
 
 
+CHECK_ENV = "HPCDDP_DATA_CHECK"
+
+
+def check_default(env=None) -> bool:
+    """``HPCDDP_DATA_CHECK``: 1 (default) checks each shard's CRC-32C on first open, 0 skips."""
+    value = (env if env is not None else os.environ).get(CHECK_ENV, "").strip().lower()
+    if value in ("", "1", "on", "yes", "true"):
+        return True
+    if value in ("0", "off", "no", "false"):
+        return False
+    raise ValueError(f"{CHECK_ENV}={value!r}: expected 1 (check each shard's CRC-32C on its "
+                     f"first open in a process: the default) or 0 (skip it)")
+
+
 def _decode_default(encoding: str):
     if encoding == "npy":
         return lambda b: np.load(io.BytesIO(b), allow_pickle=False)
@@ -38,7 +59,8 @@ def _decode_default(encoding: str):
 class _PackedDataset(torch.utils.data.Dataset):
     storage = ""
 
-    def __init__(self, path: str, decode: Callable | None = None, *, verify: bool = False):
+    def __init__(self, path: str, decode: Callable | None = None, *, verify: bool = False,
+                 check: bool | None = None):
         """Open the packed or staged data set in directory ``path``.
 
         Args:
@@ -47,7 +69,10 @@ class _PackedDataset(torch.utils.data.Dataset):
                 for ``array`` and ``npy``) and its result returned; must be picklable for
                 spawn workers (a module-level function, not a lambda).
             verify: hash every local shard now (SHA-256, reads all bytes) and raise on a
-                mismatch; by default only sizes are checked.
+                mismatch; by default sizes are checked here, checksums on first open.
+            check: check each shard's CRC-32C when this process first opens it, before any
+                of its samples is returned (raises DatasetError on a mismatch). None: the
+                ``HPCDDP_DATA_CHECK`` environment variable (default 1: check).
 
         Items are ``value`` or, when the data set has labels, ``(value, label)``.
         """
@@ -69,8 +94,10 @@ class _PackedDataset(torch.utils.data.Dataset):
         self.decode = decode
         self._default = _decode_default(self.manifest.encoding)
         self._labels = self.manifest.labels
+        self.check = check_default() if check is None else bool(check)
         self._pid = -1
         self._handles: dict = {}
+        self._checked: set = set()   # shard indices checked in this process (self._pid)
         if verify:
             bad = self.verify()
             if bad:
@@ -151,12 +178,31 @@ class _PackedDataset(torch.utils.data.Dataset):
             if self._handles and self._pid != -1:
                 self._drop_inherited(self._handles)
             self._handles = {}
+            self._checked = set()
             self._pid = pid
         h = self._handles.get(shard.index)
         if h is None:
-            h = self._open(os.path.join(self.path, shard.name), shard)
+            path = os.path.join(self.path, shard.name)
+            if self.check and shard.index not in self._checked:
+                self._check_shard(path, shard)
+                self._checked.add(shard.index)
+            h = self._open(path, shard)
             self._handles[shard.index] = h
         return h
+
+    def _check_shard(self, path: str, shard: mf.Shard) -> None:
+        who = type(self).__name__
+        try:
+            c = mf.file_checker(path, shard)
+        except OSError as exc:
+            raise mf.DatasetError(f"{who}: cannot read shard {shard.name} of {self.path} to "
+                                  f"check it: {exc}") from None
+        if not c.ok():
+            raise mf.DatasetError(
+                f"{who}: shard {path} fails its {c.kind} check on first open: expected "
+                f"{c.expected()} (manifest), got {c.hexdigest()}: the file changed after it "
+                f"was written or staged; re-stage with `hpcddp stage SRC {self.path} --verify "
+                f"full` (it replaces bad shards), or re-pack; no sample of it was returned")
 
     def close(self) -> None:
         """Close this process's handles (they reopen on the next access)."""
@@ -169,6 +215,7 @@ class _PackedDataset(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_handles"] = {}
         state["_pid"] = -1
+        state["_checked"] = set()
         return state
 
     def __repr__(self) -> str:
