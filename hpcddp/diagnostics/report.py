@@ -186,6 +186,14 @@ def analyse(snaps: dict, gone: dict, size: int) -> dict:
         if isinstance(op.get("peer"), int) and 0 <= op["peer"] < len(members):
             peer_world = members[op["peer"]]
         lines.append(f"rank {r0} has waited {op['age']:.1f} s in {op_text(op)}")
+        cycle = _p2p_cycle(snaps, r0)
+        if cycle:
+            kinds.discard("p2p")
+            kinds.add("deadlock")
+            waits = "; ".join(f"rank {a} waits for rank {b}" for a, b in
+                              zip(cycle, cycle[1:] + cycle[:1]))
+            lines.append(f"a point-to-point deadlock: {waits}: each waits in a blocking "
+                         f"send/recv for a rank that itself waits, so none can go on")
         if peer_world is not None and peer_world != r0:
             s = snaps.get(peer_world)
             lines.append(f"rank {peer_world} (its peer) is {_status(s, gone.get(peer_world))}")
@@ -247,6 +255,10 @@ def analyse(snaps: dict, gone: dict, size: int) -> dict:
                 as_ = f" (as {rec[0]['op']}({op_args(rec[0])}))" if rec else ""
                 other[m] = (f"already completed #{seq} on {op['group']}{as_} and is now {st}: "
                             f"its calls were matched with different ones on other ranks")
+    culprit = _differing_calls(snaps, members, key, seq, op["group"])
+    if culprit:
+        kinds.add("mismatch")
+        lines.append(culprit)
     if waiting:
         lines.append(f"{ranks_word(waiting)} {'has' if len(waiting) == 1 else 'have'} waited "
                      f"{max(ages.get(w, 0.0) for w in waiting):.1f} s in {op_text(op)}")
@@ -267,6 +279,56 @@ def analyse(snaps: dict, gone: dict, size: int) -> dict:
         if r not in members:
             lines.append(f"rank {r} (not in {op['group']}) is {dead_text(gone[r])}")
     return {"lines": lines, "hints": _hints(kinds), "stall": True}
+
+
+def _differing_calls(snaps: dict, members: list, key, seq: int, group: str) -> str:
+    """'' if every rank's flight recorder holds the same call (op, shape, dtype, root) as #SEQ
+    on the group, else a line naming each call and the rank(s) that differ from the majority."""
+    calls: dict = {}
+    for m in members:
+        s = snaps.get(m)
+        if not s:
+            continue
+        d = next((d for d in s["inflight"] if _key(d) == key and d["seq"] == seq
+                  and d["op"] not in P2P_OPS and d["op"] != "finalize"), None)
+        if d is None:
+            g = _last_on(s, key)
+            d = next((x for x in (g or {}).get("recent", []) if x and x["seq"] == seq
+                      and x["op"] != "finalize"), None)
+        if d is not None:
+            calls.setdefault(_call(d), (d, []))[1].append(m)
+    if len(calls) < 2:
+        return ""
+    kinds = sorted(calls.values(), key=lambda v: (-len(v[1]), v[1][0]))
+    each = "; ".join(f"{ranks_word(rs)} {d['op']}({op_args(d)})" for d, rs in kinds)
+    text = f"the flight recorders hold different calls as #{seq} on {group}: {each}"
+    if len(kinds[0][1]) > len(kinds[1][1]):
+        odd = sorted(r for _, rs in kinds[1:] for r in rs)
+        text += (f"; the culprit: {ranks_word(odd)}, whose call differs from the other "
+                 f"ranks'")
+    return text
+
+
+def _p2p_waits_for(snap: dict) -> int | None:
+    """The world rank a blocked rank's oldest in-flight send/recv waits for, if any."""
+    if not snap or not snap.get("blocked", True):
+        return None
+    p2p = [d for d in snap["inflight"] if d["op"] in P2P_OPS and isinstance(d.get("peer"), int)]
+    if not p2p:
+        return None
+    d = max(p2p, key=lambda d: d["age"])
+    members = list(d.get("ranks") or [])
+    return members[d["peer"]] if 0 <= d["peer"] < len(members) else None
+
+
+def _p2p_cycle(snaps: dict, start: int) -> list:
+    """The ranks of a wait-for cycle of blocking send/recv through START ([] if none): rank
+    a waits for b, b for c, ..., the last for a."""
+    chain, r = [], start
+    while r is not None and r not in chain:
+        chain.append(r)
+        r = _p2p_waits_for(snaps.get(r))
+    return chain[chain.index(r):] if r is not None and len(chain) > 1 else []
 
 
 def _grouped(status: dict) -> list:
@@ -298,12 +360,17 @@ _HINT = {
                  "groups must be called in the same order by the ranks they share.",
     "p2p": "A send or recv has no matching recv/send on its peer (check tags, peers and the "
            "order of point-to-point calls on both sides).",
+    "deadlock": "Blocking point-to-point calls wait for each other in a cycle (for example "
+                "both ranks recv first): reorder one side (send first on even ranks, recv "
+                "first on odd ones), or start them with isend/irecv (batch_isend_irecv) and "
+                "wait on all of them.",
     "finalize-only": "",
 }
 
 
 def _hints(kinds: set) -> list:
-    order = ("dead", "exception", "mismatch", "finalize", "python", "elsewhere", "p2p")
+    order = ("dead", "exception", "mismatch", "finalize", "python", "elsewhere", "deadlock",
+             "p2p")
     return [_HINT[k] for k in order if k in kinds]
 
 

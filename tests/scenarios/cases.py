@@ -118,6 +118,14 @@ CASES = [
                r"torch_timeout\.py:\d+"))
       for mode, op, group in (("init", "all_reduce", "WORLD"), ("barrier", "barrier", "WORLD"),
                               ("new_group", "all_reduce", r"group\[0, 1, 2\]"))),
+    *(Case(f"p2p_deadlock_{api}", "p2p_deadlock.py", 2, args=(api,), expect=(
+        r"a point-to-point deadlock: rank (\d) waits for rank (\d); rank \2 waits for rank \1",
+        r"Blocking point-to-point calls wait for each other in a cycle")) for api in
+      ("torch", "direct")),
+    Case("dtype_culprit", "dtype_mismatch.py", 3, rc=(1, STALL), expect=(
+        r"the flight recorders hold different calls as #4 on WORLD: ranks 0,1 all_reduce\("
+        r"shape=\[65536\], float32\); rank 2 all_reduce\(shape=\[65536\], float64\); the "
+        r"culprit: rank 2, whose call differs",)),
     # not a hang: rank 1 is 9 s late, the job ends normally after two reports
     Case("warn_policy", "warn_policy.py", 3, env={"HPCDDP_STALL_POLICY": "warn"}, rc=(0,),
          bound=9.0 + BOUND,
