@@ -21,12 +21,14 @@ development venv has it: a build that silently fell back would leave this path s
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 from hpcddp.comm import startup as _rt
 from hpcddp.comm._mpi import MPI
 from hpcddp.collectives import _large, _node
 from hpcddp.diagnostics import recorder as _rec
+from hpcddp.diagnostics.mismatch import AGREE_BYTES, checked_start
 from hpcddp.collectives._common import IN_PLACE, record, record_end
 from hpcddp.collectives.work import count_error, future_of
 
@@ -57,6 +59,8 @@ def make_plan(tensor, group, comm, arr, mop) -> None:
     1 data_ptr, 2 the group as passed (None for the world), 3 comm, 4 numel, 5 comm.mpi,
     6 shape, 7 dtype, 8 numpy view, 9 MPI op, 10 (comm, datatype, op) handles or None.
     """
+    if arr.nbytes >= AGREE_BYTES:
+        return           # large calls take the full path, whose record() agrees on the call
     key = id(tensor)
     rt = _rt._runtime
     if rt is not None and comm is rt.world:
@@ -134,6 +138,9 @@ def make_xplan(kind: int, tensors: tuple, group, comm, op: str, shape, dtype, ru
                prog) -> None:
     """Remember a validated blocking call of KIND on TENSORS (in the call's order) reached
     through GROUP: RUN() does its MPI work in Python, PROG (or None) in C."""
+    if shape is not None and math.prod(shape) * dtype.itemsize >= AGREE_BYTES:
+        return    # large calls take the full path, whose record() agrees on the call (SHAPE,
+        #           DTYPE: what it records)
     rt = _rt._runtime
     if rt is not None and comm is rt.world:
         group = None
@@ -227,7 +234,7 @@ def datatype_handle(arr):
 
 def _load_c():
     """(the C hit, "") when it can run here, else (None, why not)."""
-    if record is not _rec.start:
+    if record is checked_start:
         return None, "HPCDDP_DEBUG=detail checks every op across ranks (Python hit)"
     try:
         from hpcddp.collectives import _fastpath
