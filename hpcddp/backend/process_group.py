@@ -193,9 +193,9 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
         return self._group_name
 
     def setGroupName(self, name: str) -> None:
+        # (the other devices' backends are made later and keep no name: torch has no Python
+        # setter for a Backend's name, and its C++ one is this override)
         self._group_name = name
-        for other in self._other_backends().values():
-            other._set_group_name(name) if hasattr(other, "_set_group_name") else None
 
     def getGroupDesc(self) -> str:
         return self._group_desc
