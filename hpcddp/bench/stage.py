@@ -18,6 +18,12 @@ the whole data set once per node). Before every run the source is evicted from t
 destination of the previous run is removed. Emulated nodes (HPCDDP_RANKS_PER_NODE) share one
 disk and one page cache: the bytes-read column is exact, the times show the algorithms'
 overheads on this machine, not a parallel file system's bandwidth.
+
+Then what the integrity checks cost on the same data set (``integrity`` in the JSON): the
+destination lock's share of each stage (``phases["lock"]``); a re-stage onto a READY copy
+with ``--verify auto`` (a stat per shard) against ``--verify full`` (CRC-32C of every shard);
+and a dataset's first open of every shard with its CRC-32C check against ``check=False``, with
+the copy in the page cache (just staged) and evicted from it (``cold``; a no-op on tmpfs).
 """
 from __future__ import annotations
 
@@ -119,6 +125,7 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
     read = {s: [] for s in strategies}
     written = {s: [] for s in strategies}
     ok = {s: True for s in strategies}
+    lock_s: list = []
     for r in range(rounds):
         shift = r % len(strategies)
         for s in list(strategies[shift:]) + list(strategies[:shift]):
@@ -142,6 +149,7 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
             else:
                 res = stage(src, dest, strategy=s, progress=False)
                 n_read, n_written = res.bytes_read_from_source, res.bytes_written
+                lock_s.append(res.phases["lock"])
             _sleepy_barrier(ctl)
             dt = protocol.allmax(ctl, time.perf_counter() - t0)
             if s == "cp":
@@ -156,6 +164,9 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
             ok[s] &= good
             if progress and rank == 0:
                 progress(f"round {r + 1}/{rounds} {s}: {dt:.2f} s")
+    integrity = _integrity_costs(ctl, topo, src, work, max(3, rounds - 1), progress)
+    integrity["lock_s_median"] = protocol.median(lock_s) if lock_s else None
+    integrity["lock_s_max"] = max(lock_s, default=None)
     _sleepy_barrier(ctl)
     if rank == 0:
         shutil.rmtree(os.path.join(work, "dest"), ignore_errors=True)
@@ -190,7 +201,80 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
                        "ranks": ctl.Get_size(), "nodes": topo.num_nodes,
                        "cache": "cold" if cold else "warm"},
             "dataset_bytes": dataset, "strategies": rows, "ratios": ratios,
-            "correct": all(ok.values())}
+            "integrity": integrity, "correct": all(ok.values())}
+
+
+def _read_all(root: str) -> None:
+    """Bring ROOT's files into the page cache."""
+    for path in _files(root):
+        with open(path, "rb", buffering=0) as f:
+            while f.read(1 << 22):
+                pass
+
+
+def _open_every_shard(node_dest: str, check: bool) -> float:
+    """Seconds for a new dataset object to return the first sample of every shard: each
+    shard's first open in this process (with its CRC-32C check when ``check``)."""
+    from hpcddp.data import open_dataset
+    t0 = time.perf_counter()
+    ds = open_dataset(node_dest, check=check)
+    for sh in ds.manifest.shards:
+        ds[sh.first]
+    dt = time.perf_counter() - t0
+    ds.close()
+    return dt
+
+
+def _integrity_costs(ctl, topo, src: str, work: str, repeats: int, progress=None) -> dict:
+    """What the checks after READY cost here (collective; figures are MAX over ranks).
+
+    Re-stage onto a READY copy: ``verify="auto"`` stats each shard against READY's record,
+    ``"full"`` computes every shard's CRC-32C. First open: on each node leader, a new dataset
+    object reads one sample of every shard, with and without the CRC-32C check on first open,
+    the copy in the page cache (``warm``: just staged) or evicted (``cold``).
+    """
+    from hpcddp.bench import protocol
+    from hpcddp.data.staging import stage
+    dest = os.path.join(work, "dest", "integrity", "node{node}")
+    node_dest = dest.replace("{node}", str(topo.node))
+    stage(src, dest, progress=False)
+    restage = {"auto": [], "full": []}
+    for _ in range(repeats):
+        for verify in ("auto", "full"):
+            _sleepy_barrier(ctl)
+            t0 = time.perf_counter()
+            res = stage(src, dest, verify=verify, progress=False)
+            _sleepy_barrier(ctl)
+            restage[verify].append(protocol.allmax(ctl, time.perf_counter() - t0))
+            if res.shards_copied:
+                raise RuntimeError(f"bench stage: a re-stage with verify={verify!r} onto a READY "
+                                   f"copy copied {res.shards_copied} shards, expected 0")
+    opened = {k: [] for k in ("warm_check", "warm_nocheck", "cold_check", "cold_nocheck")}
+    for _ in range(repeats):
+        for key in opened:
+            if topo.is_leader:
+                if key.startswith("cold"):
+                    _evict(node_dest)
+                else:   # a cold run before left the shards out of the page cache
+                    _read_all(node_dest)
+            _sleepy_barrier(ctl)
+            dt = _open_every_shard(node_dest, key.endswith("_check")) if topo.is_leader else 0.0
+            opened[key].append(protocol.allmax(ctl, dt))
+    if progress and ctl.Get_rank() == 0:
+        progress("integrity: re-stage auto/full, first open with/without the check")
+    from hpcddp.data import manifest as mf
+    shard_bytes = mf.load(src).total_bytes
+    out = {"repeats": repeats, "shard_bytes": shard_bytes,
+           "fs": _fs_type(node_dest)}
+    for k, xs in list(restage.items()):
+        out[f"restage_{k}_s"] = protocol.median(xs)
+    for k, xs in opened.items():
+        out[f"open_{k}_s"] = protocol.median(xs)
+    for c in ("warm", "cold"):
+        extra = out[f"open_{c}_check_s"] - out[f"open_{c}_nocheck_s"]
+        out[f"check_{c}_s"] = extra
+        out[f"check_{c}_gbps"] = shard_bytes / extra / 1e9 if extra > 0 else None
+    return out
 
 
 def _fs_type(path: str) -> str:
@@ -225,8 +309,32 @@ def text(result: dict, markdown: bool = False) -> str:
     title = (f"staging {result['dataset_bytes'] / 1e6:.0f} MB ({cfg['files']} shards) to "
              f"{cfg['nodes']} node(s), {cfg['ranks']} ranks, {cfg['cache']} source cache: "
              f"median over rounds (quartiles), MAX over ranks; GB = 1e9 B")
-    return "\n\n".join([_render(title, header, rows, markdown),
-                        "\n".join(setup_lines(result))])
+    parts = [_render(title, header, rows, markdown)]
+    if result.get("integrity"):
+        parts.append(integrity_text(result))
+    return "\n\n".join(parts + ["\n".join(setup_lines(result))])
+
+
+def integrity_text(result: dict) -> str:
+    """The integrity checks' costs, in words (medians; seconds are MAX over ranks)."""
+    g = result["integrity"]
+
+    def ms(x):
+        return f"{x * 1e3:.1f} ms"
+
+    def rate(x):
+        return f"{x:.1f} GB/s" if x else "within noise"
+    lock = ("" if g.get("lock_s_median") is None else
+            f"destination lock: {ms(g['lock_s_median'])} per stage (median; max "
+            f"{ms(g['lock_s_max'])})\n")
+    return (f"{lock}re-stage onto a READY copy ({g['shard_bytes'] / 1e6:.0f} MB of shards): "
+            f"--verify auto {ms(g['restage_auto_s'])} (a stat per shard), --verify full "
+            f"{ms(g['restage_full_s'])} (CRC-32C of every shard)\n"
+            f"first open of every shard by one process, {g.get('fs') or '?'}: page cache warm "
+            f"{ms(g['open_warm_check_s'])} with the CRC-32C check, "
+            f"{ms(g['open_warm_nocheck_s'])} without ({rate(g['check_warm_gbps'])}); cold "
+            f"{ms(g['open_cold_check_s'])} with, {ms(g['open_cold_nocheck_s'])} without "
+            f"({rate(g['check_cold_gbps'])}); medians of {g['repeats']}")
 
 
 def plot(result: dict, path: str) -> None:
