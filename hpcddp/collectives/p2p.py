@@ -18,7 +18,7 @@ from __future__ import annotations
 from hpcddp.collectives._common import (as_array, finish_or_work, record_end, resolve,
                                         record_p2p as record)
 from hpcddp.collectives import _large
-from hpcddp.collectives.work import RecvWork, check_count, recv_unit, truncation
+from hpcddp.collectives.work import RecvWork, check_count, truncation
 from hpcddp.collectives import _device
 from hpcddp.collectives._plans import ISEND, IRECV, SEND, RECV, make_pplan, phit
 from hpcddp.comm.buffers import DeviceTensor
@@ -151,16 +151,14 @@ def recv(tensor, src=None, group=None, tag=0) -> int:
         statuses = [MPI.Status() for _ in reqs]
         try:
             MPI.Request.Waitall(reqs, statuses)
-            cut = False
         except MPI.Exception as exc:
-            cut = truncation(exc, reqs, statuses)
+            truncation(exc, reqs, statuses)
     else:
         statuses = [MPI.Status()]
         try:
             comm.mpi.Recv(arr, source, tag, statuses[0])
-            cut = False
         except MPI.Exception as exc:
-            cut = truncation(exc, None, statuses)
+            truncation(exc, None, statuses)
     record_end(entry)
-    check_count("recv", tensor, statuses, *recv_unit(arr), tag, cut)
+    check_count("recv", tensor, statuses, arr.nbytes, tag)
     return statuses[0].Get_source()

@@ -14,6 +14,7 @@ progress thread (one for the process, not one per op) so the caller runs on.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import queue
 import threading
@@ -115,16 +116,13 @@ class Work(dist._Work):
 # -- the size of a received message ------------------------------------------------------------
 # MPI completes a receive whose message is shorter than the buffer as if nothing were wrong
 # (the buffer's tail keeps its old contents), and one whose message is longer with a bare
-# MPI_ERR_TRUNCATE. So every recv/irecv reads the count received from its status once it
-# completes (MPI_Get_count: no message, one call and a compare) and raises count_error when it
-# is not the tensor's numel. _fastpath.c does the same in C for planned receives (P2PWork) and
-# builds its error with count_error.
-
-def recv_unit(arr):
-    """(MPI datatype, count): what a receive into the numpy view ARR counts in, as mpi4py
-    picks the datatype (bytes where it has none)."""
-    datatype = MPI._typedict.get(arr.dtype.char)
-    return (MPI.BYTE, arr.nbytes) if datatype is None else (datatype, arr.size)
+# MPI_ERR_TRUNCATE. So every recv/irecv reads the size received from its status once it
+# completes (no message: a status read and a compare) and raises count_error when it is not the
+# tensor's. Here the size is in bytes (MPI_Get_elements_x of MPI_BYTE: no datatype to look up,
+# and no int to overflow below 2**31 elements); _fastpath.c compares MPI_Get_count in the
+# plan's datatype with the tensor's numel for planned receives, and builds its error with
+# count_error too.
+_BYTE = MPI.BYTE
 
 
 def count_error(fn: str, tensor, source: int, tag: int, nbytes: int,
@@ -149,36 +147,36 @@ def count_error(fn: str, tensor, source: int, tag: int, nbytes: int,
                  "rest past the tensor (Open MPI 5 does above its eager limit): memory after "
                  "this tensor may be corrupt")
     elif nbytes >= 0:
-        text += f"elements {nbytes // size}.. of the tensor were left as they were"
+        text += f"only the tensor's first {nbytes // size} elements were received"
     else:
-        text += "the tensor's elements past the message's were left as they were"
+        text += "only the tensor's first elements were received"
     return RuntimeError(text)
 
 
-def check_count(fn: str, tensor, statuses, datatype, count: int, tag: int,
-                truncated: bool) -> None:
+def check_count(fn: str, tensor, statuses, nbytes: int, tag: int) -> None:
     """Raise :func:`count_error` unless the receive into TENSOR whose pieces filled STATUSES
-    got COUNT elements of DATATYPE (see :func:`recv_unit`) in all, and was not cut
-    (TRUNCATED, from :func:`truncation`)."""
+    (one, unless the count is over MPI's int) got NBYTES bytes in all and was not cut (an
+    MPI_ERR_TRUNCATE in a status's error field: :func:`truncation` puts it there)."""
     if len(statuses) == 1:
-        got = statuses[0].Get_count(datatype)
-    else:
-        counts = [st.Get_count(datatype) for st in statuses]
-        got = MPI.UNDEFINED if MPI.UNDEFINED in counts else sum(counts)
-    if got != count or truncated:
-        nbytes = sum(st.Get_elements(MPI.BYTE) for st in statuses)
-        raise count_error(fn, tensor, statuses[0].Get_source(), tag,
-                          -1 if nbytes < 0 else nbytes, truncated)
+        st = statuses[0]
+        if st.Get_elements(_BYTE) == nbytes and not st.Get_error():
+            return
+    got = sum(st.Get_elements(_BYTE) for st in statuses)
+    cut = any(MPI.Get_error_class(st.Get_error()) == MPI.ERR_TRUNCATE for st in statuses)
+    if got != nbytes or cut:
+        raise count_error(fn, tensor, statuses[0].Get_source(), tag, got, cut)
 
 
-def truncation(exc, requests, statuses) -> bool:
-    """True when EXC, raised by waiting on or testing a receive's REQUESTS (STATUSES: theirs),
-    says a message was longer than its buffer: the receive completed all the same (pieces MPI
-    left pending, MPI_ERR_PENDING, are waited for here) and :func:`check_count` names the sizes.
-    Any other MPI error is raised again."""
+def truncation(exc, requests, statuses) -> None:
+    """Return when EXC, raised by waiting on or testing a receive's REQUESTS (STATUSES: theirs),
+    says a message was longer than its buffer: the receive completed all the same, and
+    MPI_ERR_TRUNCATE is in its status (pieces MPI left pending, MPI_ERR_PENDING, are waited
+    for here) for :func:`check_count`, which names the sizes. Any other MPI error is raised
+    again."""
     code = exc.Get_error_class()
-    if code == MPI.ERR_TRUNCATE:
-        return True
+    if code == MPI.ERR_TRUNCATE and len(statuses) == 1:
+        statuses[0].Set_error(MPI.ERR_TRUNCATE)   # single-request calls leave it as it was
+        return
     if code != MPI.ERR_IN_STATUS:
         raise exc
     errors = [MPI.Get_error_class(st.Get_error()) for st in statuses]
@@ -187,29 +185,25 @@ def truncation(exc, requests, statuses) -> bool:
         raise exc
     for req, st, e in zip(requests, statuses, errors):
         if e == MPI.ERR_PENDING:
+            st.Set_error(MPI.SUCCESS)
             try:
                 req.Wait(st)
             except MPI.Exception as again:
                 truncation(again, [req], [st])
-    return True
 
 
 class RecvWork(Work):
     """The Work of an irecv into TENSOR (numpy view ARR) over REQUESTS (one, or one per piece
     of a count over MPI's int): waits with a status per request, then checks the size of the
-    message (:func:`check_count`); another size is this Work's exception."""
+    message (:func:`check_count`, its finishing step); another size is this Work's exception."""
 
     def __init__(self, requests, tensor, arr, fn: str, tag: int, entry, keep=None):
-        statuses = [MPI.Status() for _ in requests]
-        super().__init__(requests, [tensor], self._check, entry, keep, statuses[0])
-        self._statuses = statuses
-        self._fn, self._tag = fn, tag
-        self._unit = recv_unit(arr)
-        self._truncated = False
-
-    def _check(self) -> None:
-        check_count(self._fn, self._result[0], self._statuses, *self._unit, self._tag,
-                    self._truncated)
+        statuses = [MPI.Status()] if len(requests) == 1 else [MPI.Status() for _ in requests]
+        super().__init__(requests, [tensor],
+                         functools.partial(check_count, fn, tensor, statuses, arr.nbytes, tag),
+                         entry, keep, statuses[0])
+        if len(requests) > 1:
+            self._statuses = statuses
 
     def _block(self) -> None:
         try:
@@ -218,7 +212,8 @@ class RecvWork(Work):
             else:
                 MPI.Request.Waitall(self._requests, self._statuses)
         except MPI.Exception as exc:
-            self._truncated = truncation(exc, self._requests, self._statuses)
+            truncation(exc, self._requests, self._statuses if len(self._requests) > 1
+                       else [self._status])
 
     def _poll(self) -> bool:
         try:
@@ -226,7 +221,8 @@ class RecvWork(Work):
                 return self._requests[0].Test(self._status)
             return MPI.Request.Testall(self._requests, self._statuses)
         except MPI.Exception as exc:
-            self._truncated = truncation(exc, self._requests, self._statuses)
+            truncation(exc, self._requests, self._statuses if len(self._requests) > 1
+                       else [self._status])
             return True
 
 

@@ -104,7 +104,7 @@ def test_wrong_size_names_the_sizes(world, path, api, op, sizes):
             if sent < want:          # the message's elements, then the tensor as it was
                 assert torch.equal(t[:sent], torch.arange(sent, dtype=torch.float32)), t
                 assert t[sent:].eq(-1).all(), t
-                assert f"elements {sent}.. of the tensor were left as they were" in str(e.value)
+                assert f"only the tensor's first {sent} elements were received" in str(e.value)
             else:                    # MPI keeps what fits
                 assert torch.equal(t, torch.arange(want, dtype=torch.float32)), t
                 assert "MPI_ERR_TRUNCATE" in str(e.value)
@@ -258,6 +258,33 @@ def test_not_a_whole_number_of_elements(world, path):
                                rf"{tag}\) has 12 bytes \(not a whole number of 8-byte "
                                rf"elements\) of torch.float64, expected 2 "):
                 hpcddp.recv(t, peer, tag=tag)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("op", ["recv", "irecv"])
+def test_staged_device_receive(world, op):
+    """The GPU staging path receives into a host twin with recv/irecv, so it checks too (CPU
+    tensors stand in for CUDA ones, as in test_gpu_staging.py). The CUDA-aware path, which
+    hands MPI the device pointer, does not check (hpcddp/collectives/_device.py). What reaches
+    the tensor differs: a blocking recv copies nothing back after the error, an irecv copies
+    back the whole host twin."""
+    from hpcddp.collectives import _device as D
+    from hpcddp.comm.cuda import CudaAwareness
+    from hpcddp.comm.gpu_staging import HostCopier, PinnedPool, Staging
+    ctx = D.DeviceCtx(path="staging", awareness=CudaAwareness(False, "test", "faked", "test"),
+                      staging=Staging(pool=PinnedPool(pin=False), copier=lambda t: HostCopier()))
+    comm = hpcddp.world()
+    peer, sends = _pair()
+    tag = 17
+    t = torch.zeros(16)
+    if peer is not None and sends:
+        hpcddp.send(torch.arange(12, dtype=torch.float32), peer, tag=tag)
+    elif peer is not None:
+        with pytest.raises(RuntimeError, match=_pattern("direct", op, peer, tag, 12, 16)):
+            if op == "recv":
+                D.recv(t, peer, comm, tag, ctx)
+            else:
+                D.irecv(t, peer, comm, tag, ctx).wait()
     dist.barrier()
 
 
