@@ -217,6 +217,7 @@ class DestLock:
                 if raw is None:
                     continue  # removed between our open and our read: try again
                 if not self._stale(found):
+                    self.took_over = None   # another taker got there first: nothing taken
                     return found
                 if not self._take_over(raw):
                     continue
@@ -229,6 +230,7 @@ class DestLock:
             self.held = True
             return None
         found, _ = self._read_excl()
+        self.took_over = None
         return found or {}
 
     def _read_excl(self) -> tuple[dict, bytes | None]:

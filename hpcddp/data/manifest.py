@@ -349,18 +349,31 @@ def shard_stats(directory: str, m: "Manifest", indices: Iterable[int]) -> dict:
             for i in sorted(indices)}
 
 
-def stat_matches(path: str, recorded: dict | None) -> bool:
+def stat_matches(path: str, recorded: dict | None, before_ns: int | None = None) -> bool:
     """Is the file's stat still the one recorded (False when none was)?
 
     Any write changes mtime and ctime (ctime cannot be set back by ``touch``/``os.utime``);
-    a replaced file has another inode.
+    a replaced file has another inode. ``before_ns``: the recording's own time (READY's
+    mtime); a file whose recorded mtime is not older than it is not vouched for, because
+    file times tick coarsely (a jiffy on many kernels) and a write within the same tick as
+    the recording would leave them unchanged (git's "racily clean" rule).
     """
     if not recorded:
+        return False
+    if before_ns is not None and recorded.get("mtime_ns", before_ns) >= before_ns:
         return False
     try:
         return _stat_of(path) == recorded
     except OSError:
         return False
+
+
+def marker_mtime_ns(path: str, name: str) -> int | None:
+    """The mtime of marker ``name`` in directory ``path`` (ns), or None if absent."""
+    try:
+        return os.stat(os.path.join(path, name)).st_mtime_ns
+    except OSError:
+        return None
 
 
 def read_marker(path: str, name: str) -> dict | None:

@@ -526,6 +526,7 @@ def _inspect(dest: str, m: mf.Manifest, need: list[int], verify: str, src_raw: b
     # READY vouches for a shard only while its stat is the one recorded when READY was
     # written: a shard written, replaced or touched since is hashed again
     stats = (ready.get("shard_stats") or {}) if trusted else {}
+    ready_ns = mf.marker_mtime_ns(dest, mf.READY)
     try:
         names = os.listdir(dest)
     except FileNotFoundError:
@@ -541,7 +542,7 @@ def _inspect(dest: str, m: mf.Manifest, need: list[int], verify: str, src_raw: b
             p = os.path.join(dest, sh.name)
             size = os.path.getsize(p)
             ok = size == sh.bytes
-            if ok and verify != "size" and not mf.stat_matches(p, stats.get(sh.name)):
+            if ok and verify != "size" and not mf.stat_matches(p, stats.get(sh.name), ready_ns):
                 ok = mf.file_matches(p, sh)
             if ok:
                 have.append(s)
@@ -570,8 +571,9 @@ def _ready_holds(dest: str, raw: bytes, layout: dict, m: mf.Manifest, mine: list
     if any(ready.get(k) != v for k, v in layout.items()):
         return False
     stats = ready.get("shard_stats") or {}
-    if not all(mf.stat_matches(os.path.join(dest, m.shards[i].name), stats.get(m.shards[i].name))
-               for i in mine):
+    ready_ns = mf.marker_mtime_ns(dest, mf.READY)
+    if not all(mf.stat_matches(os.path.join(dest, m.shards[i].name), stats.get(m.shards[i].name),
+                               ready_ns) for i in mine):
         return False
     try:
         with open(os.path.join(dest, mf.MANIFEST), "rb") as f:

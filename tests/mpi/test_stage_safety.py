@@ -13,7 +13,6 @@ os.environ["HPCDDP_RANKS_PER_NODE"] = "2" if _size == 4 else "1"
 import json  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -115,6 +114,10 @@ def test_auto_hashes_only_shards_changed_since_ready(rt, tmp, monkeypatch):
     m = _pack_on_root(rt, items, src, shard_bytes=20_000)
     dest = os.path.join(tmp, "node{node}")
     stage(src, dest, progress=False)
+    # shards written in the same clock tick as READY are not vouched for (file times are
+    # coarse): the next run hashes them and records READY again, a tick later
+    time.sleep(0.05)
+    stage(src, dest, progress=False)
     topo, w = rt.topology, rt.world.mpi
     node_dir = _node_dir(rt, tmp)
     hashed = []
@@ -127,6 +130,7 @@ def test_auto_hashes_only_shards_changed_since_ready(rt, tmp, monkeypatch):
     assert (after.st_ino, after.st_mtime_ns) == (ready_before.st_ino, ready_before.st_mtime_ns)
     if topo.is_leader:                         # touched, not changed: hashed, kept
         os.utime(os.path.join(node_dir, m.shards[0].name))
+    time.sleep(0.05)                           # READY, re-recorded, a tick after the touch
     w.Barrier()
     res = stage(src, dest, progress=False)
     assert res.shards_copied == 0
@@ -137,7 +141,7 @@ def test_auto_hashes_only_shards_changed_since_ready(rt, tmp, monkeypatch):
 
 
 @pytest.mark.mpi
-def test_held_destination_waited_for_or_refused(rt, tmp, capfd):
+def test_held_destination_waited_for_or_refused(rt, tmp, capfd, monkeypatch):
     items = _items(20, seed=13)
     src = os.path.join(tmp, "src")
     _pack_on_root(rt, items, src, shard_bytes=20_000)
@@ -160,12 +164,22 @@ def test_held_destination_waited_for_or_refused(rt, tmp, capfd):
         assert not os.path.exists(os.path.join(d, mf.STAGING))
         assert os.path.exists(os.path.join(d, destlock.LOCK_NAME)) == (node == topo.num_nodes - 1)
     w.Barrier()
-    if holder is not None:                     # the holder finishes 1.5 s from now
-        threading.Timer(1.5, holder.release).start()
+    if holder is not None:
+        # the holder finishes when rank 0 tries its own lock a second time: after a round
+        # that found the last node's destination held (and said so), whatever the timing
+        tries = []
+        real_try = destlock.DestLock.try_acquire
+
+        def try_then_free(self):
+            tries.append(self.path)
+            if len(tries) == 2:
+                holder.release()
+            return real_try(self)
+        monkeypatch.setattr(destlock.DestLock, "try_acquire", try_then_free)
     capfd.readouterr()
     res = stage(src, dest, progress=False, lock_wait=120)
     err = capfd.readouterr().err
-    assert res.phases["lock"] >= 1.0 and res.shards_copied == len(mf.load(src).shards) * topo.num_nodes
+    assert res.phases["lock"] > 0 and res.shards_copied == len(mf.load(src).shards) * topo.num_nodes
     if w.Get_rank() == 0:   # said once, by rank 0, with whom it waits for
         assert err.count("[rank0] stage: waiting for the destination lock") == 1, err
         assert "got the destination lock after" in err
