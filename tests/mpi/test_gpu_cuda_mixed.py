@@ -5,13 +5,11 @@ With a GPU and NCCL this is ``hpcddp.init_process_group(device="cuda")``. Withou
 stands in for NCCL ("cpu:hpcddp,cuda:gloo"): the wiring of the two backends is the same, and
 that is what these tests check on a CPU-only machine.
 
-Known problem (test_cuda_device_gets_its_own_backend, strict xfail): torch builds the
-per-device backends in device order and stops at the first creator that returns a Python
-ProcessGroup subclass, which ProcessGroupHPCDDP is. So the group *is* the hpcddp process
-group, no second backend is ever created, and CUDA tensors go to hpcddp (which serves them
-correctly through its device path, but not through NCCL). Fixing it belongs to the backend
-(hpcddp/backend): see docs/gpu.md. When it is fixed the xfail turns into a failure and the
-marker must go.
+torch builds the per-device backends in device order and stops at the first creator that
+returns a Python ProcessGroup subclass, which ProcessGroupHPCDDP is; so the hpcddp group
+creates the other devices' backends itself from the map torch recorded
+(hpcddp/backend/devices.py): test_cuda_device_gets_its_own_backend checks the CUDA one is
+torch's own backend, registered on the group.
 """
 from __future__ import annotations
 
@@ -52,9 +50,6 @@ def test_cpu_tensors_use_hpcddp(world):
     assert out == [{"rank": r} for r in range(world.size)]
 
 
-@pytest.mark.xfail(strict=True, reason="torch stops at the first backend creator returning a "
-                   "ProcessGroup subclass (ProcessGroupHPCDDP): the CUDA backend of a "
-                   "'cpu:hpcddp,cuda:X' map is never created; see the module docstring")
 def test_cuda_device_gets_its_own_backend(world):
     backend = dist.group.WORLD._get_backend(torch.device("cuda"))
     assert type(backend).__name__ == ("ProcessGroupNCCL" if GPU else "ProcessGroupGloo")
@@ -62,7 +57,7 @@ def test_cuda_device_gets_its_own_backend(world):
 
 @needs_gpu
 def test_cuda_all_reduce_correct(world):
-    """Correct whichever backend serves it (today: hpcddp's device path, see above)."""
+    """CUDA tensors go to the map's CUDA backend (NCCL)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     t = torch.full((1 << 20,), float(world.rank + 1), device=dev)
     dist.all_reduce(t)
