@@ -118,14 +118,14 @@ def _copy_back(staged) -> None:
         view.copy_(copy)
 
 
-def _through_contiguous(method, self, args, kwargs):
+def _through_contiguous(method, self, args):
     """Run METHOD on contiguous copies of ARGS' strided tensors, as gloo accepts them."""
     staged: list = []
     args = _contiguous(args, staged)
     if not staged:
         raise RuntimeError(f"{method.__name__}: hpcddp found a non-contiguous tensor but none "
                            f"among the arguments")
-    work = method(self, *args, **kwargs)
+    work = method(self, *args)
     originals = [v for v, _ in staged]
     if work is None:             # a blocking call has completed
         _copy_back(staged)
@@ -133,24 +133,23 @@ def _through_contiguous(method, self, args, kwargs):
     return StagedWork(work, staged, originals)
 
 
-def _routed(method):
+def _routed(method, name: str | None = None):
     """Send the op to another device's backend where the group's device map says so
     (``cpu:hpcddp,cuda:nccl``: CUDA tensors go to NCCL); hpcddp's own op otherwise, on
     contiguous copies where a tensor is a strided view (the ops refuse those before any
     message, so the retry sends nothing twice)."""
-    name = method.__name__
+    name = name or method.__name__
 
-    def op(self, *args, **kwargs):
-        others = self._others
-        if others:   # a device map with other backends (or not yet read: the first op reads it)
+    def op(self, *args):     # torch passes positional arguments only
+        if self._others:   # a device map with other backends (or not yet read: the first op reads it)
             others = self._other_backends()
             t = _first_tensor(args[0]) if args else None
             if t is not None and not t.is_cpu and t.device.type in others:
-                return getattr(others[t.device.type], name)(*args, **kwargs)
+                return getattr(others[t.device.type], name)(*args)
         try:
-            return method(self, *args, **kwargs)
+            return method(self, *args)
         except NotContiguous:
-            return _through_contiguous(method, self, args, kwargs)
+            return _through_contiguous(method, self, args)
     op.__name__ = op.__qualname__ = name
     op.__doc__ = method.__doc__
     op.__wrapped__ = method
@@ -244,8 +243,13 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
         return f"ProcessGroupHPCDDP({self.hpcddp_comm.name!r}, rank={self.rank()}, size={self.size()})"
 
     # -- reductions -------------------------------------------------------------------------
-    @_routed
     def allreduce(self, tensors, opts=None):
+        # the hottest op: _routed's checks written out here, without its extra call
+        if self._others:
+            return _routed_allreduce(self, tensors, opts)
+        return self._allreduce_here(tensors, opts)
+
+    def _allreduce_here(self, tensors, opts):
         op = opts.reduceOp if opts is not None and hasattr(opts, "reduceOp") else (
             opts if opts is not None else dist.ReduceOp.SUM)
         if len(tensors) == 1:
@@ -253,6 +257,9 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
                 if opts is not None and _blocking(opts):
                     return C.all_reduce(tensors[0], op, self.hpcddp_comm, False)
                 return C.all_reduce(tensors[0], op, self.hpcddp_comm, True)
+            except NotContiguous:
+                return _through_contiguous(ProcessGroupHPCDDP._allreduce_here, self,
+                                           (tensors, opts))
             except TensorError:
                 if tensors[0].layout != torch.sparse_coo:
                     raise
@@ -413,3 +420,6 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
     @_routed
     def recv_anysource(self, tensors, tag=0):
         return _for_torch(C.irecv(tensors[0], None, self.hpcddp_comm, tag))
+
+
+_routed_allreduce = _routed(ProcessGroupHPCDDP._allreduce_here, "allreduce")

@@ -140,8 +140,11 @@ class Arena:
             return None
         return a
 
-    def all_reduce(self, flat: torch.Tensor) -> None:
-        """SUM FLAT (1-D, contiguous, CPU) in place across the group."""
+    def all_reduce(self, flat: torch.Tensor, agree=None) -> None:
+        """SUM FLAT (1-D, contiguous, CPU) in place across the group. AGREE: a callable that
+        synchronises the ranks and raises if their calls differ (diagnostics.mismatch), run
+        as the first chunk's barrier: after step 1, which writes only this rank's own row,
+        before any rank reads another's or writes FLAT."""
         comm = self.comm
         n, r, barrier = comm.size, comm.rank, comm.mpi.Barrier
         stage = self.bytes.view(flat.dtype)
@@ -155,7 +158,10 @@ class Arena:
                 if j != r:
                     s = (r * n + j) * cap
                     stage[s:s + b[j + 1] - b[j]].copy_(flat[b[j]:b[j + 1]])
-            barrier()                                            # 2.
+            if agree is not None and off == 0:
+                agree()                                          # 2. (and the agreement)
+            else:
+                barrier()                                        # 2.
             k = b[r + 1] - b[r]
             mine = flat[b[r]:b[r + 1]]
             d = (r * n + r) * cap
@@ -172,10 +178,11 @@ class Arena:
                     d = (j * n + j) * cap
                     flat[b[j]:b[j + 1]].copy_(stage[d:d + b[j + 1] - b[j]])
 
-    def reduce_scatter(self, blocks: list, out: torch.Tensor) -> None:
+    def reduce_scatter(self, blocks: list, out: torch.Tensor, agree=None) -> None:
         """SUM BLOCKS[j] (n flat tensors of out's size, one per rank) across the group: rank r
         gets the sum of everyone's BLOCKS[r] in OUT (flat). Steps 1-3 of all_reduce, with the
-        op's own partition (block j to rank j) instead of an even split of each chunk."""
+        op's own partition (block j to rank j) instead of an even split of each chunk; AGREE
+        as for all_reduce."""
         comm = self.comm
         n, r, barrier = comm.size, comm.rank, comm.mpi.Barrier
         stage = self.bytes.view(out.dtype)
@@ -187,7 +194,10 @@ class Arena:
                 if j != r:
                     s = (r * n + j) * cap
                     stage[s:s + k].copy_(blocks[j][o:o + k])
-            barrier()
+            if agree is not None and o == 0:
+                agree()                      # the first barrier, and the agreement
+            else:
+                barrier()
             ins = [blocks[r][o:o + k] if i == r else stage[(i * n + r) * cap:(i * n + r) * cap + k]
                    for i in range(n)]
             dst = out[o:o + k]

@@ -18,6 +18,7 @@ from hpcddp.collectives._common import (IN_PLACE, CompletedWork, as_array, check
                                         record_end, reduce_op, resolve, same_spec)
 from hpcddp.collectives import _device
 from hpcddp.comm.buffers import DeviceTensor
+from hpcddp.diagnostics import mismatch as _mismatch
 
 SUM = dist.ReduceOp.SUM
 
@@ -42,7 +43,7 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
     entry = record(comm, "all_reduce", tensor.shape, tensor.dtype, red=kind)
     if _shm.usable(comm, arr.nbytes, tensor.dtype, kind):
         pre_reduce(tensor, op, kind)
-        _shm.arena(comm).all_reduce(tensor.view(-1))
+        _shm.arena(comm).all_reduce(tensor.view(-1), _mismatch.agreement(comm, entry, kind))
         post_reduce(tensor, kind, comm.size)
         record_end(entry)
         return CompletedWork([tensor]) if async_op else None
@@ -170,7 +171,8 @@ def _shm_reduce_scatter(output, blocks, op, kind, comm, async_op, entry):
         blocks = [b.clone() for b in blocks]
         for b in blocks:
             pre_reduce(b, op, kind)
-    _shm.arena(comm).reduce_scatter(blocks, output.view(-1))
+    _shm.arena(comm).reduce_scatter(blocks, output.view(-1),
+                                    _mismatch.agreement(comm, entry, kind))
     post_reduce(output, kind, comm.size)
     record_end(entry)
     return CompletedWork([output]) if async_op else None

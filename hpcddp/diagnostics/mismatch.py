@@ -138,16 +138,24 @@ def mismatch_message(group: str, world_ranks, rows) -> str:
 # -- default mode: the agreement on large collectives -----------------------------------------
 # A large collective whose ranks disagree on count, dtype, reduce op or root does not fail in
 # MPI: the shared-memory arena chunks by each rank's own size, Allreduce of int32 against
-# float32 sums the bits, and unequal counts can corrupt the heap. So a collective of at least
-# AGREE_BYTES first agrees on (op, sequence number, element count, dtype, reduce op, root): one
-# 16-byte Allreduce(MIN) of (h, -h) on the private duplicate, where h hashes the call; min(h)
-# == h == max(h) on every rank or every rank raises. It costs one small Allreduce, under 2% of
-# a 1 MiB all_reduce (docs/hangs.md has the measured cost). Smaller collectives are checked
-# with HPCDDP_DEBUG=detail only (the agreement would cost more than the op's budget): the
-# table in docs/hangs.md says what default mode catches at which size.
-AGREE_BYTES = 1 << 20
+# float32 sums the bits, and unequal counts can corrupt the heap. So ranks agree on the call
+# (op, sequence number, element count, dtype, reduce op, root) before its data moves: one
+# 16-byte Allreduce(MIN) of (h, -h) on the private duplicate, where h hashes the call;
+# min(h) == h == max(h) on every rank, or every rank raises.
+# - The shared-memory arena (one node, SUM family, from 1 MiB) makes that Allreduce its first
+#   barrier (hpcddp.collectives._shm): the check costs nothing there.
+# - Every other collective of at least AGREE_BYTES runs it before the op (agreed_start). An
+#   extra synchronisation before an op costs more than the message (ranks that ran apart
+#   wait for each other: docs/hangs.md has the figures), hence the threshold.
+# Smaller calls on other paths are checked with HPCDDP_DEBUG=detail only: the table in
+# docs/hangs.md says what default mode catches at which size.
+AGREE_BYTES = 8 << 20
 AGREE_FREE = SHAPE_FREE | {"gather", "scatter"}   # per-rank sizes that may differ by design
 A_OP, A_SEQ, A_COUNT, A_DTYPE, A_RED, A_ROOT = range(6)
+try:
+    from torch import Size as _Size
+except ImportError:          # the diagnostics read reports without torch too
+    _Size = None
 
 
 def _agree_row(op: str, seq: int, count: int, dtype, red, peer) -> list:
@@ -156,31 +164,63 @@ def _agree_row(op: str, seq: int, count: int, dtype, red, peer) -> list:
             -1 if red is None else int(red), -1 if peer is None else int(peer)]
 
 
+def _count(shape) -> int:
+    count = 1
+    for d in shape:
+        count *= d
+    return count
+
+
 def agreed_start(comm, op: str, shape=None, dtype=None, peer=None, red=None) -> list:
     """The recorder's ``start``; for a collective of at least AGREE_BYTES also the agreement
     of every rank on the call (default mode; RED: the reduce op's kind, for reductions)."""
     entry = _start(comm, op, shape, dtype, peer)
-    if dtype is not None and shape is not None and comm.size > 1:
-        count = 1
-        for d in shape:
-            count *= d
-        if count * dtype.itemsize >= AGREE_BYTES and op not in AGREE_FREE:
+    if dtype is not None and shape is not None:     # the cheap tests first: this runs per op
+        count = shape.numel() if type(shape) is _Size else _count(shape)
+        if count * dtype.itemsize >= AGREE_BYTES and comm.size > 1 and op not in AGREE_FREE:
             _agree(comm, entry, _agree_row(op, entry[_rec.SEQ], count, dtype, red, peer))
     return entry
 
 
+def agreement(comm, entry, red=None):
+    """A callable that runs ENTRY's agreement (a synchronisation of COMM's ranks: the arena
+    calls it in place of its first barrier), or None where nothing is left to check: the
+    call was agreed on by agreed_start already, or HPCDDP_DEBUG=detail compared it."""
+    shape, dtype = entry[_rec.SHAPE], entry[_rec.DTYPE]
+    count = _count(shape)
+    if _DETAIL or count * dtype.itemsize >= AGREE_BYTES:
+        return None
+    row = _agree_row(entry[_rec.OP], entry[_rec.SEQ], count, dtype, red, entry[_rec.PEER])
+    return lambda: _agree(comm, entry, row)
+
+
+_DETAIL = _cfg.detail_enabled()   # read once, as hpcddp.collectives picks its record()
+
+
 def _agree(comm, entry, row: list) -> None:
-    from hpcddp.comm._mpi import MPI
-    # < 2**62: the count's low 30 bits above the CRC of the whole row
-    h = zlib.crc32(array.array("q", row).tobytes()) | ((row[A_COUNT] & 0x3FFFFFFF) << 32)
-    dup, _ = _dup(comm)
-    seen = np.array([h, -h], dtype=np.int64)
-    dup.Allreduce(MPI.IN_PLACE, seen, MPI.MIN)
-    if seen[0] == h and -seen[1] == h:
+    # hash() of a tuple of ints is the same in every process (PYTHONHASHSEED salts only
+    # str/bytes); masked to 62 bits so that -h fits an int64 too
+    h = hash(tuple(row)) & 0x3FFFFFFFFFFFFFFF
+    dup, seen, mpi_min, in_place = _agreement(comm)
+    seen[0], seen[1] = h, -h
+    dup.Allreduce(in_place, seen, mpi_min)
+    if seen[0] == h and seen[1] == -h:
         return
     rows = np.array(dup.allgather(row), dtype=np.int64)
     _rec.end(entry)
     raise CollectiveMismatchError(agreement_message(comm.name, comm.world_ranks, rows))
+
+
+_agreements: dict = {}   # comm uid -> (private duplicate, 2-word buffer, MPI.MIN, MPI.IN_PLACE)
+
+
+def _agreement(comm):
+    a = _agreements.get(comm.uid)
+    if a is None:
+        from hpcddp.comm._mpi import MPI
+        a = _agreements[comm.uid] = (_dup(comm)[0], np.zeros(2, dtype=np.int64), MPI.MIN,
+                                     MPI.IN_PLACE)
+    return a
 
 
 def _call_text(row, op_shown: bool) -> str:
@@ -253,6 +293,7 @@ def checked_start(comm, op: str, shape=None, dtype=None, peer=None, red=None) ->
 
 def free_dups() -> None:
     from hpcddp.comm._mpi import MPI
+    _agreements.clear()
     for d, _ in list(_dups.values()):
         try:
             d.Free()

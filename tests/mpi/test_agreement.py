@@ -8,6 +8,8 @@ torch.distributed. The sizes: 16 MiB, and 16 MiB minus 4000 bytes on the odd ran
 """
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,6 +33,9 @@ def world():
 def path(request, monkeypatch):
     if request.param == "mpi":
         monkeypatch.setattr(_shm, "MODE", "0")      # HPCDDP_SHM_ALLREDUCE=0
+    else:   # HPCDDP_SHM_ALLREDUCE=force, a fresh arena (the start-up race may pick MPI)
+        monkeypatch.setattr(_shm, "MODE", "force")
+        monkeypatch.setattr(_shm, "_arenas", weakref.WeakKeyDictionary())
     return request.param
 
 
@@ -93,6 +98,23 @@ def test_reduce_scatter_and_all_gather_into_tensor_counts(world, path):
     big, mine = torch.zeros(c * n), torch.ones(c)
     expect_refused(lambda: dist.all_gather_into_tensor(big, mine), big, "all_gather #",
                    f"(count {SHORT}, float32)")
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter_tensor"])
+def test_arena_agrees_below_the_agreement_size(world, op, monkeypatch):
+    """From 1 MiB the arena's first barrier is the agreement: 2 MiB against 2 MiB - 4000 B."""
+    monkeypatch.setattr(_shm, "MODE", "force")
+    monkeypatch.setattr(_shm, "_arenas", weakref.WeakKeyDictionary())
+    n, c = dist.get_world_size(), (2 << 20) // 4
+    c = c - 1000 if odd() else c
+    assert 4 * c < AGREE_BYTES and 4 * c >= _shm.MIN_BYTES
+    if op == "all_reduce":
+        t = torch.ones(c)
+        expect_refused(lambda: dist.all_reduce(t), t, "all_reduce #", "(count 524288, float32")
+        assert _shm.arena(hpcddp.world()) is not None, "the arena was not used"
+    else:
+        out, inp = torch.zeros(c // n), torch.ones(c // n * n)
+        expect_refused(lambda: dist.reduce_scatter_tensor(out, inp), out, "reduce_scatter #")
 
 
 def test_agreeing_large_calls_still_run(world, path):
