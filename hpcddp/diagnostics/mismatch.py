@@ -191,7 +191,15 @@ def agreement(comm, entry, red=None):
     if _DETAIL or count * dtype.itemsize >= AGREE_BYTES:
         return None
     row = _agree_row(entry[_rec.OP], entry[_rec.SEQ], count, dtype, red, entry[_rec.PEER])
-    return lambda: _agree(comm, entry, row)
+    h = hash(tuple(row)) & 0x3FFFFFFFFFFFFFFF
+    dup, seen, mpi_min, in_place = _agreement(comm)
+
+    def agree() -> None:     # in place of a barrier: as little as possible besides the message
+        seen[0], seen[1] = h, -h
+        dup.Allreduce(in_place, seen, mpi_min)
+        if seen[0] != h or seen[1] != -h:
+            _disagree(comm, entry, row)    # every rank saw it: all gather the details
+    return agree
 
 
 _DETAIL = _cfg.detail_enabled()   # read once, as hpcddp.collectives picks its record()
@@ -206,6 +214,12 @@ def _agree(comm, entry, row: list) -> None:
     dup.Allreduce(in_place, seen, mpi_min)
     if seen[0] == h and seen[1] == -h:
         return
+    _disagree(comm, entry, row)
+
+
+def _disagree(comm, entry, row: list) -> None:
+    """Every rank: gather each rank's call and raise the same error."""
+    dup = _agreement(comm)[0]
     rows = np.array(dup.allgather(row), dtype=np.int64)
     _rec.end(entry)
     raise CollectiveMismatchError(agreement_message(comm.name, comm.world_ranks, rows))
