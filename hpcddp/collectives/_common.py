@@ -13,8 +13,8 @@ from hpcddp.collectives.work import CompletedWork, Work  # noqa: F401
 
 IN_PLACE = MPI.IN_PLACE
 # Chosen once, at import: with HPCDDP_DEBUG=detail every collective's record() also runs the
-# cross-rank mismatch check; otherwise the flight recorder plus, for collectives of at least
-# 1 MiB, the cheap agreement on count, dtype, reduce op and root (diagnostics.mismatch).
+# cross-rank mismatch check; otherwise the flight recorder plus, for large collectives, the
+# agreement on count, dtype, reduce op and root (diagnostics.mismatch says which sizes).
 record = _mismatch.checked_start if _mismatch.enabled() else _mismatch.agreed_start
 record_p2p = _rec.start_p2p   # send/recv: own sequence numbers, never cross-checked
 record_end = _rec.end
