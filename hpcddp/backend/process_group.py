@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hpcddp import collectives as C
-from hpcddp.collectives.work import CompletedWork, TorchP2PWork, Work
+from hpcddp.collectives.work import CompletedWork, TorchP2PWork, Work, _keepalive
 from hpcddp.comm.buffers import NotContiguous, TensorError, as_array
 from hpcddp.comm.communicator import Communicator
 
@@ -84,6 +84,7 @@ class StagedWork(dist._Work):
     def __init__(self, inner, staged, result):
         super().__init__()
         self._inner, self._staged, self._result = inner, staged, result
+        _keepalive.append(self)     # torch may keep only the C++ side (see work.py)
 
     def wait(self, timeout=None) -> bool:
         if self._staged is not None:
