@@ -278,7 +278,8 @@ def _job(argv, timeout=400, n=2):
 def test_comm_smoke_every_op_and_impl(tmp_path):
     out, png = tmp_path / "comm.json", tmp_path / "comm.png"
     argv = ["comm", "--sizes", "4,64K", "--rounds", "2", "--batch-ms", "0.2",
-            "--impls", "mpi4py,hpcddp,direct,gloo,memcpy,hpcddp-async", "--json", str(out)]
+            "--impls", "mpi4py,hpcddp,direct,gloo,memcpy,hpcddp-async,direct-unchecked",
+            "--json", str(out)]
     if pytest.importorskip("matplotlib"):
         argv += ["--plot", str(png)]
     res = _job(argv)
@@ -291,6 +292,11 @@ def test_comm_smoke_every_op_and_impl(tmp_path):
             if name in ("mpi4py", "hpcddp", "direct", "memcpy"):
                 assert "times_s" in rec, (c["op"], name, rec)
     assert result["setup"]["ranks"] == 2 and result["load"]["wall_s"] > 0
+    # the agreement's cost is measured where the reductions check calls, and nowhere else
+    checked = {c["op"] for c in result["cells"] if "times_s" in c["impls"]["direct-unchecked"]}
+    assert checked == {"all_reduce", "reduce_scatter", "reduce_scatter_tensor"}, checked
+    assert all("direct/direct-unchecked" in c["ratios"] for c in result["cells"]
+               if c["op"] in checked)
     assert "all_reduce" in res.stdout and "targets:" in res.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
     # a run compared with itself never regresses

@@ -9,6 +9,9 @@ Implementations, all on the same buffers (float32, SUM) in the same job:
 ``gloo``        gloo through ``torch.distributed`` (a second group, ``backend="gloo"``)
 ``memcpy``      ``np.copyto`` of the same S bytes on each rank: a ceiling, not a collective
 ``hpcddp-async`` (opt-in) ``dist.all_reduce(t, async_op=True).wait()``: the path DDP takes
+``direct-unchecked`` (opt-in; all_reduce, reduce_scatter) the direct API with default mode's
+                cross-rank call agreement turned off: ``direct`` / ``direct-unchecked`` is
+                what the agreement costs (docs/hangs.md). Not a mode users can select.
 ==============  ===========================================================================
 
 Sizes S follow nccl-tests: all_reduce, broadcast and send/recv one rank's buffer;
@@ -31,7 +34,7 @@ import gc
 OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
        "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send_recv")
 IMPLS = ("mpi4py", "hpcddp", "direct", "gloo", "memcpy")
-OPTIONAL_IMPLS = ("hpcddp-async",)
+OPTIONAL_IMPLS = ("hpcddp-async", "direct-unchecked")
 ALL_IMPLS = IMPLS + OPTIONAL_IMPLS
 
 
@@ -123,6 +126,7 @@ class AllReduce(_Cell):
             "direct": lambda: hp.all_reduce(t),
             "gloo": lambda: dist.all_reduce(t, group=G),
             "hpcddp-async": lambda: dist.all_reduce(t, async_op=True).wait(),
+            "direct-unchecked": c.unchecked(lambda: hp.all_reduce(t)),
         }
 
     def prepare(self, impl):
@@ -246,6 +250,7 @@ class ReduceScatter(_Blocks):
             fns.update({
                 "hpcddp": lambda: dist.reduce_scatter(out, ins),
                 "direct": lambda: hp.reduce_scatter(out, ins),
+                "direct-unchecked": c.unchecked(lambda: hp.reduce_scatter(out, ins)),
                 "gloo": lambda: dist.reduce_scatter(out, ins, group=G),
                 "hpcddp-async": lambda: dist.reduce_scatter(out, ins, async_op=True).wait(),
             })
@@ -254,6 +259,7 @@ class ReduceScatter(_Blocks):
             fns.update({
                 "hpcddp": lambda: single(out, flat),
                 "direct": lambda: hp.reduce_scatter_tensor(out, flat),
+                "direct-unchecked": c.unchecked(lambda: hp.reduce_scatter_tensor(out, flat)),
                 "gloo": lambda: single(out, flat, group=G),
                 "hpcddp-async": lambda: single(out, flat, async_op=True).wait(),
             })
@@ -395,6 +401,31 @@ class Context:
         self.ctl = MPI.COMM_WORLD.Dup()      # barriers and MAX of the protocol only
         self.rank, self.n = self.raw.Get_rank(), self.raw.Get_size()
         self.gloo = dist.new_group(backend="gloo") if need_gloo else None
+
+    @staticmethod
+    def unchecked(fn):
+        """FN run with the reductions' cross-rank call agreement off: the recorder's plain
+        start instead of the agreeing one, and no hash for the arena to compare. Swapped per
+        call (two attribute writes each way), so every other row runs the real code."""
+        import importlib
+        from hpcddp.diagnostics import mismatch, recorder
+        reductions = importlib.import_module("hpcddp.collectives.reduce")  # not the function
+        checked = reductions.record, mismatch.agreement
+        start = recorder.start
+
+        def plain(comm, op, shape=None, dtype=None, peer=None, red=None):
+            return start(comm, op, shape, dtype, peer)
+
+        def no_hash(comm, entry, red=None):
+            return None
+
+        def run():
+            reductions.record, mismatch.agreement = plain, no_hash
+            try:
+                fn()
+            finally:
+                reductions.record, mismatch.agreement = checked
+        return run
 
 
 def _agree_ok(ctl, ok: bool) -> bool:

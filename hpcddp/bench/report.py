@@ -23,7 +23,8 @@ from hpcddp.bench.protocol import fmt_size, paired, spread
 
 HPCDDP_IMPLS = ("hpcddp", "direct", "hpcddp-async")
 LABELS = {"mpi4py": "mpi4py", "hpcddp": "hpcddp", "direct": "direct", "gloo": "gloo",
-          "memcpy": "memcpy", "hpcddp-async": "hpcddp-async"}
+          "memcpy": "memcpy", "hpcddp-async": "hpcddp-async",
+          "direct-unchecked": "direct-unchecked"}
 LATENCY_MAX = 32 << 10      # up to here a row shows latency (µs); above, busbw (GB/s)
 THRESHOLD = 0.10            # --compare: a row regresses when 10 % worse
 
@@ -54,6 +55,11 @@ def summarize(result: dict) -> dict:
                 if name != "gloo":
                     ratios[f"{name}-mpi4py_us"] = spread(
                         [d * 1e6 for d in paired(kept[name], base, "diff")])
+        if "direct" in kept and "direct-unchecked" in kept:   # what the call agreement costs
+            ratios["direct/direct-unchecked"] = spread(paired(kept["direct"],
+                                                              kept["direct-unchecked"]))
+            ratios["direct-unchecked_us"] = spread(
+                [d * 1e6 for d in paired(kept["direct"], kept["direct-unchecked"], "diff")])
         if "gloo" in kept:
             for name in HPCDDP_IMPLS:
                 if name in kept:
@@ -107,7 +113,8 @@ def _ratio(cell: dict, key: str, unit: str = "") -> str:
 RATIO_COLUMNS = (("hpcddp/mpi4py", "hpcddp/mpi4py time", ""),
                  ("direct/mpi4py", "direct/mpi4py time", ""),
                  ("hpcddp-mpi4py_us", "hpcddp − mpi4py", " µs"),
-                 ("gloo/hpcddp", "gloo/hpcddp time", ""))
+                 ("gloo/hpcddp", "gloo/hpcddp time", ""),
+                 ("direct/direct-unchecked", "check's cost: direct/unchecked time", ""))
 
 
 def comm_table(result: dict, markdown: bool = False) -> str:
@@ -197,6 +204,16 @@ def comm_targets(result: dict) -> list[dict]:
     for c in result["cells"]:
         r = c.get("ratios", {})
         get = (lambda k: r[k]["median"] if k in r and r[k]["n"] else None)
+        if c["bytes"] >= 64 << 10:
+            v = get("direct/direct-unchecked")
+            if v is not None:
+                add("≥ 64 KiB: the cross-rank call agreement costs ≤ 3%", c,
+                    "direct/direct-unchecked", v, 1.03, v <= 1.03)
+        elif c["bytes"] <= 8:
+            v = get("direct-unchecked_us")
+            if v is not None:
+                add("8 B: the cross-rank call agreement costs ≤ 0.5 µs", c,
+                    "direct-unchecked_us", v, 0.5, v <= 0.5)
         if c["op"] == "all_reduce" and c["bytes"] <= 1024:
             v = get("hpcddp-mpi4py_us")
             if v is not None:
@@ -394,7 +411,8 @@ def read_json(path: str) -> dict:
 STYLE = {"mpi4py": dict(color="k", marker="o"), "hpcddp": dict(color="tab:blue", marker="s"),
          "direct": dict(color="tab:cyan", marker="^"), "gloo": dict(color="tab:red", marker="v"),
          "memcpy": dict(color="0.5", marker="", linestyle="--"),
-         "hpcddp-async": dict(color="tab:purple", marker="x")}
+         "hpcddp-async": dict(color="tab:purple", marker="x"),
+         "direct-unchecked": dict(color="tab:green", marker=".")}
 
 
 def plot_comm(result: dict, path: str, ops=None) -> None:

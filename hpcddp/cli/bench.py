@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", help="comma-separated sizes (4,1K,25MiB) or a range of the "
                    "default sizes (4-32K); default 4 B - 64 MiB")
     p.add_argument("--impls", help="comma-separated implementations (default: mpi4py,hpcddp,"
-                   "direct,gloo,memcpy; also hpcddp-async)")
+                   "direct,gloo,memcpy; also hpcddp-async, and direct-unchecked: the direct API "
+                   "without the cross-rank call agreement, to measure its cost)")
     p.add_argument("--batch-ms", type=float, default=2.0,
                    help="minimum length of one timed batch in ms (default 2)")
     _common(p)

@@ -44,6 +44,7 @@ import os
 import secrets
 import weakref
 
+import numpy as np
 import torch
 
 from hpcddp.collectives import _node
@@ -78,12 +79,29 @@ def arena(comm):
     return _node.per_group(_arenas, comm, Arena.make)
 
 
+CALL_LINE = 64            # bytes per rank for its call's hash: a cache line each, no false sharing
+
+
 class Arena:
     def __init__(self, comm, mem: mmap.mmap, slot: int):
         self.comm = comm
         self.mem = mem
         self.slot = slot                      # bytes per (row, slice) slot
         self.bytes = torch.frombuffer(mem, dtype=torch.uint8)
+        # after the n x n slots: each rank's hash of the call it is making (see _agreed)
+        n = comm.size
+        lines = np.frombuffer(mem, dtype=np.int64, count=n * CALL_LINE // 8,
+                              offset=n * n * slot)
+        self.calls = lines[::CALL_LINE // 8]
+
+    def _agreed(self, check) -> None:
+        """Called right after the first barrier of a call, for which every rank wrote the hash
+        of its call (op, sequence number, count, dtype, reduce op) into its line: raise on
+        every rank if they differ. Every rank reads the same lines, so all raise or none; a
+        line is not written again before every rank has read it (the next call's write comes
+        after this call's last barrier, which every rank passes only after this read)."""
+        if self.calls.tolist().count(check.value) != self.comm.size:
+            check.refuse()
 
     def faster_than_mpi(self) -> bool:
         """Race the arena against MPI's Allreduce (collective; the same answer on every rank)."""
@@ -102,7 +120,7 @@ class Arena:
         n = comm.size
         row = max(64 << 10, min(ROW_BYTES, ARENA_MAX // n))
         slot = row // n // 4096 * 4096 or 4096
-        size = n * n * slot
+        size = n * n * slot + n * CALL_LINE
         path, fd = "", -1
         if comm.rank == 0:
             path = os.path.join(SHM_DIR, f"hpcddp-{os.getpid()}-{secrets.token_hex(4)}")
@@ -135,16 +153,15 @@ class Arena:
             return None
         a = cls(comm, mem, slot)
         if MODE != "force" and not a.faster_than_mpi():
-            a.bytes = None    # the mapping cannot close while a tensor exports it
+            a.bytes = a.calls = None    # the mapping cannot close while a view exports it
             mem.close()
             return None
         return a
 
-    def all_reduce(self, flat: torch.Tensor, agree=None) -> None:
-        """SUM FLAT (1-D, contiguous, CPU) in place across the group. AGREE: a callable that
-        synchronises the ranks and raises if their calls differ (diagnostics.mismatch), run
-        as the first chunk's barrier: after step 1, which writes only this rank's own row,
-        before any rank reads another's or writes FLAT."""
+    def all_reduce(self, flat: torch.Tensor, check=None) -> None:
+        """SUM FLAT (1-D, contiguous, CPU) in place across the group. CHECK: the call's hash
+        (diagnostics.mismatch.agreement) or None; ranks compare it after the first barrier,
+        when each has written only its own row, before any reads another's or writes FLAT."""
         comm = self.comm
         n, r, barrier = comm.size, comm.rank, comm.mpi.Barrier
         stage = self.bytes.view(flat.dtype)
@@ -158,8 +175,10 @@ class Arena:
                 if j != r:
                     s = (r * n + j) * cap
                     stage[s:s + b[j + 1] - b[j]].copy_(flat[b[j]:b[j + 1]])
-            if agree is not None and off == 0:
-                agree()                                          # 2. (and the agreement)
+            if check is not None and off == 0:
+                self.calls[r] = check.value
+                barrier()                                        # 2.
+                self._agreed(check)
             else:
                 barrier()                                        # 2.
             k = b[r + 1] - b[r]
@@ -178,10 +197,10 @@ class Arena:
                     d = (j * n + j) * cap
                     flat[b[j]:b[j + 1]].copy_(stage[d:d + b[j + 1] - b[j]])
 
-    def reduce_scatter(self, blocks: list, out: torch.Tensor, agree=None) -> None:
+    def reduce_scatter(self, blocks: list, out: torch.Tensor, check=None) -> None:
         """SUM BLOCKS[j] (n flat tensors of out's size, one per rank) across the group: rank r
         gets the sum of everyone's BLOCKS[r] in OUT (flat). Steps 1-3 of all_reduce, with the
-        op's own partition (block j to rank j) instead of an even split of each chunk; AGREE
+        op's own partition (block j to rank j) instead of an even split of each chunk; CHECK
         as for all_reduce."""
         comm = self.comm
         n, r, barrier = comm.size, comm.rank, comm.mpi.Barrier
@@ -194,8 +213,10 @@ class Arena:
                 if j != r:
                     s = (r * n + j) * cap
                     stage[s:s + k].copy_(blocks[j][o:o + k])
-            if agree is not None and o == 0:
-                agree()                      # the first barrier, and the agreement
+            if check is not None and o == 0:
+                self.calls[r] = check.value
+                barrier()
+                self._agreed(check)
             else:
                 barrier()
             ins = [blocks[r][o:o + k] if i == r else stage[(i * n + r) * cap:(i * n + r) * cap + k]

@@ -142,8 +142,9 @@ def mismatch_message(group: str, world_ranks, rows) -> str:
 # (op, sequence number, element count, dtype, reduce op, root) before its data moves: one
 # 16-byte Allreduce(MIN) of (h, -h) on the private duplicate, where h hashes the call;
 # min(h) == h == max(h) on every rank, or every rank raises.
-# - The shared-memory arena (one node, SUM family, from 1 MiB) makes that Allreduce its first
-#   barrier (hpcddp.collectives._shm): the check costs nothing there.
+# - The shared-memory arena (one node, SUM family, from 1 MiB) needs no message for it: each
+#   rank writes h into the arena before the arena's own first barrier and reads everyone's
+#   after it (hpcddp.collectives._shm).
 # - Every other collective of at least AGREE_BYTES runs it before the op (agreed_start). An
 #   extra synchronisation before an op costs more than the message (ranks that ran apart
 #   wait for each other: docs/hangs.md has the figures), hence the threshold.
@@ -182,24 +183,29 @@ def agreed_start(comm, op: str, shape=None, dtype=None, peer=None, red=None) -> 
     return entry
 
 
+class CallHash:
+    """A call's hash for the shared-memory arena to compare across ranks (it has its own
+    synchronisation to carry it: no message of the check's own)."""
+    __slots__ = ("value", "_comm", "_entry", "_row")
+
+    def __init__(self, value: int, comm, entry, row: list):
+        self.value, self._comm, self._entry, self._row = value, comm, entry, row
+
+    def refuse(self) -> None:
+        """Every rank, once all have seen the hashes differ: raise the same error."""
+        _disagree(self._comm, self._entry, self._row)
+
+
 def agreement(comm, entry, red=None):
-    """A callable that runs ENTRY's agreement (a synchronisation of COMM's ranks: the arena
-    calls it in place of its first barrier), or None where nothing is left to check: the
-    call was agreed on by agreed_start already, or HPCDDP_DEBUG=detail compared it."""
+    """ENTRY's CallHash, for the arena to compare after its first barrier, or None where
+    nothing is left to check: the call was agreed on by agreed_start already, or
+    HPCDDP_DEBUG=detail compared it."""
     shape, dtype = entry[_rec.SHAPE], entry[_rec.DTYPE]
     count = _count(shape)
     if _DETAIL or count * dtype.itemsize >= AGREE_BYTES:
         return None
     row = _agree_row(entry[_rec.OP], entry[_rec.SEQ], count, dtype, red, entry[_rec.PEER])
-    h = hash(tuple(row)) & 0x3FFFFFFFFFFFFFFF
-    dup, seen, mpi_min, in_place = _agreement(comm)
-
-    def agree() -> None:     # in place of a barrier: as little as possible besides the message
-        seen[0], seen[1] = h, -h
-        dup.Allreduce(in_place, seen, mpi_min)
-        if seen[0] != h or seen[1] != -h:
-            _disagree(comm, entry, row)    # every rank saw it: all gather the details
-    return agree
+    return CallHash(hash(tuple(row)) & 0x3FFFFFFFFFFFFFFF, comm, entry, row)
 
 
 _DETAIL = _cfg.detail_enabled()   # read once, as hpcddp.collectives picks its record()

@@ -101,20 +101,34 @@ def test_reduce_scatter_and_all_gather_into_tensor_counts(world, path):
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter_tensor"])
-def test_arena_agrees_below_the_agreement_size(world, op, monkeypatch):
-    """From 1 MiB the arena's first barrier is the agreement: 2 MiB against 2 MiB - 4000 B."""
+@pytest.mark.parametrize("differs", ["count", "dtype", "reduce op"])
+def test_arena_agrees_below_the_agreement_size(world, op, differs, monkeypatch):
+    """From 1 MiB the arena compares the calls' hashes after its first barrier: 2 MiB against
+    2 MiB - 4000 B, int32 against float32, AVG against SUM."""
     monkeypatch.setattr(_shm, "MODE", "force")
     monkeypatch.setattr(_shm, "_arenas", weakref.WeakKeyDictionary())
     n, c = dist.get_world_size(), (2 << 20) // 4
-    c = c - 1000 if odd() else c
+    dtype, red = torch.float32, dist.ReduceOp.SUM
+    if odd():
+        if differs == "count":
+            c -= 1000
+        elif differs == "dtype":
+            dtype = torch.int32
+        else:
+            red = dist.ReduceOp.AVG
     assert 4 * c < AGREE_BYTES and 4 * c >= _shm.MIN_BYTES
+    needle = {"count": f"(count {(2 << 20) // 4 - 1000}, float32",
+              "dtype": "int32", "reduce op": "op AVG"}[differs]
     if op == "all_reduce":
-        t = torch.ones(c)
-        expect_refused(lambda: dist.all_reduce(t), t, "all_reduce #", "(count 524288, float32")
+        t = torch.ones(c, dtype=dtype)
+        expect_refused(lambda: dist.all_reduce(t, op=red), t, "all_reduce #", needle)
         assert _shm.arena(hpcddp.world()) is not None, "the arena was not used"
     else:
-        out, inp = torch.zeros(c // n), torch.ones(c // n * n)
-        expect_refused(lambda: dist.reduce_scatter_tensor(out, inp), out, "reduce_scatter #")
+        out, inp = torch.zeros(c // n, dtype=dtype), torch.ones(c // n * n, dtype=dtype)
+        if differs == "count":
+            needle = f"(count {c // n}, float32"
+        expect_refused(lambda: dist.reduce_scatter_tensor(out, inp, op=red), out,
+                       "reduce_scatter #", needle)
 
 
 def test_agreeing_large_calls_still_run(world, path):
