@@ -1,5 +1,10 @@
-"""`hpcddp info`: one screen about the job, printed by rank 0."""
+"""`hpcddp info`: one screen about the job (MPI library, launcher, layout, versions), gathered
+to rank 0 and printed there."""
+from __future__ import annotations
+
 import argparse
+import importlib
+import platform
 
 DESCRIPTION = """\
 Show the MPI library and version, thread level, launcher, the rank / local rank / node / host
@@ -20,8 +25,89 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import json
 
-    from hpcddp.comm.info import collect_info, format_info
     info = collect_info()
     if info is not None:
         print(json.dumps(info, indent=2) if args.json else format_info(info), flush=True)
     return 0
+
+
+def _version(module: str) -> str | None:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "?")
+    except ImportError:
+        return None
+
+
+def _cuda_aware() -> str:
+    try:
+        from hpcddp.comm.cuda import cuda_aware_status
+    except ImportError:
+        return "unknown"
+    try:
+        return cuda_aware_status()
+    except Exception as exc:  # detection must never break `hpcddp info`
+        return f"unknown ({exc})"
+
+
+def collect_info() -> dict | None:
+    """Collective over the world: rank 0 gets the job's info dict, other ranks None."""
+    import mpi4py
+    import torch
+
+    from hpcddp.comm import startup
+    rt = startup.init(set_cuda_device=False)
+    topo, world = rt.topology, rt.world
+    mine = {"rank": world.rank, "local_rank": topo.local_rank, "node": topo.node,
+            "host": topo.hostname, "pid": __import__("os").getpid()}
+    ranks = world.mpi.gather(mine, root=0)
+    if world.rank != 0:
+        return None
+    launch = rt.launch
+    cuda = torch.cuda.is_available()
+    from hpcddp.collectives import _plans
+    return {
+        "world_size": world.size,
+        "nodes": topo.num_nodes,
+        "ranks_per_node_emulated": topo.emulated,
+        "local_rank_source": rt.local_rank_source,
+        "launcher": launch.launcher if launch else "singleton",
+        "mpi": {"library": rt.mpi_library, "version": rt.mpi_version,
+                "thread_level": rt.thread_level,
+                "thread_level_requested": rt.thread_level_requested,
+                "mpi4py": mpi4py.__version__},
+        "cuda_aware": _cuda_aware(),
+        "all_reduce_hit": _plans.KIND,    # "C" or "Python (why)": setup.py, docs/install.md
+        "plan_hit_ops": list(_plans.PLANNED_OPS),
+        "torch": torch.__version__,
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if cuda else [],
+        "python": platform.python_version(),
+        "h5py": _version("h5py"),
+        "lmdb": _version("lmdb"),
+        "notes": list(rt.notes),
+        "ranks": ranks,
+    }
+
+
+def format_info(info: dict) -> str:
+    m = info["mpi"]
+    emu = " (emulated: HPCDDP_RANKS_PER_NODE)" if info["ranks_per_node_emulated"] else ""
+    lines = [
+        f"hpcddp job: {info['world_size']} ranks on {info['nodes']} node(s){emu}, "
+        f"launcher {info['launcher']}",
+        f"MPI        {m['library']}: {m['version']}",
+        f"threads    {m['thread_level']} (asked {m['thread_level_requested']}); mpi4py {m['mpi4py']}",
+        f"CUDA-aware {info['cuda_aware']}",
+        f"repeat calls ({', '.join(info['plan_hit_ops'])}) in {info['all_reduce_hit']}",
+        f"torch      {info['torch']}; CUDA devices: "
+        f"{', '.join(info['cuda_devices']) if info['cuda_devices'] else 'none'}",
+        f"data       h5py {info['h5py']}, lmdb {info['lmdb']}; python {info['python']}",
+        f"local rank from {info['local_rank_source']}",
+        "",
+        f"{'rank':>5} {'local':>5} {'node':>5}  host",
+    ]
+    for r in info["ranks"]:
+        lines.append(f"{r['rank']:>5} {r['local_rank']:>5} {r['node']:>5}  {r['host']}")
+    for n in info["notes"]:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
