@@ -14,7 +14,7 @@ op hands its arguments to the function of the same name here. Each one:
      CUDA-aware. So an ``async_op=True`` collective returns a completed Work; send/recv stay
      non-blocking.
    - STAGING (not CUDA-aware, unknown, or a reduction with a user-defined MPI op): the CPU op
-     itself runs on host twins in pinned memory (:mod:`hpcddp.comm.gpu_staging`); large
+     itself runs on host twins in pinned memory (:mod:`hpcddp.collectives._gpu_staging`); large
      blocking all_reduce/broadcast/reduce are pipelined in chunks.
 
 ``ctx`` (a :class:`DeviceCtx`) forces the path, the awareness and the staging settings: the
@@ -32,7 +32,7 @@ from hpcddp.comm import cuda as _cuda
 from hpcddp.comm import ops as _ops
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.buffers import DevicePointerRefused, TensorError
-from hpcddp.comm.gpu_staging import Staging, default_staging
+from hpcddp.collectives._gpu_staging import Staging, default_staging
 
 IN_PLACE = MPI.IN_PLACE
 DIRECT, STAGING = _cuda.DIRECT, _cuda.STAGING

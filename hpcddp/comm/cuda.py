@@ -3,7 +3,7 @@
 A CUDA-aware MPI takes device pointers; any other MPI reads them as host addresses and
 segfaults (or corrupts memory). hpcddp therefore passes a device pointer to MPI only when
 :func:`cuda_awareness` says ``aware is True``; otherwise CUDA tensors are staged through
-pinned host memory (:mod:`hpcddp.comm.gpu_staging`). What decides, in order:
+pinned host memory (:mod:`hpcddp.collectives._gpu_staging`). What decides, in order:
 
 1. ``HPCDDP_CUDA_AWARE=0|1``: the user's word wins (unset or ``auto``: detect).
 2. The MPI flavour, from ``MPI_Get_library_version``:

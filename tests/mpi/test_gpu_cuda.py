@@ -18,7 +18,7 @@ import hpcddp
 from hpcddp import collectives as C
 from hpcddp.collectives import _device as D
 from hpcddp.comm import cuda as cuda_mod
-from hpcddp.comm.gpu_staging import PinnedPool, Staging
+from hpcddp.collectives._gpu_staging import PinnedPool, Staging
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU; CI has none")

@@ -27,7 +27,7 @@ from hpcddp.collectives import _device as D
 from hpcddp.comm import cuda as cuda_mod
 from hpcddp.comm.buffers import DevicePointerRefused, DeviceTensor, as_array
 from hpcddp.comm.cuda import CudaAwareness
-from hpcddp.comm.gpu_staging import HostCopier, PinnedPool, Staging
+from hpcddp.collectives._gpu_staging import HostCopier, PinnedPool, Staging
 
 MPI_TIMEOUT = 300
 R = dist.ReduceOp

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hpcddp.collectives.work import Work
-from hpcddp.comm.gpu_staging import (Copier, HostCopier, PinnedPool, Staged, Staging,
+from hpcddp.collectives._gpu_staging import (Copier, HostCopier, PinnedPool, Staged, Staging,
                                      chunk_schedule)
 
 MPI_SIZES = (2,)

@@ -270,7 +270,7 @@ def test_staged_device_receive(world, op):
     back the whole host twin."""
     from hpcddp.collectives import _device as D
     from hpcddp.comm.cuda import CudaAwareness
-    from hpcddp.comm.gpu_staging import HostCopier, PinnedPool, Staging
+    from hpcddp.collectives._gpu_staging import HostCopier, PinnedPool, Staging
     ctx = D.DeviceCtx(path="staging", awareness=CudaAwareness(False, "test", "faked", "test"),
                       staging=Staging(pool=PinnedPool(pin=False), copier=lambda t: HostCopier()))
     comm = hpcddp.world()
