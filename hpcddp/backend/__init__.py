@@ -205,8 +205,12 @@ def group_from_comm(comm, name: str | None = None):
         raise RuntimeError("group_from_comm: call hpcddp.init_process_group() (or "
                            "dist.init_process_group('hpcddp')) first")
     _pending_comm.comm = comm
+    # torch numbers ranks as hpcddp's world does now; after hpcddp.elastic shrank the world
+    # that is no longer MPI_COMM_WORLD's numbering, which world_ranks keep
+    from hpcddp.comm import startup as rt
+    now = {w: i for i, w in enumerate(rt.world().world_ranks)}
     try:
-        return dist.new_group(list(comm.world_ranks), backend=BACKEND_NAME,
+        return dist.new_group([now[r] for r in comm.world_ranks], backend=BACKEND_NAME,
                               use_local_synchronization=True)
     finally:
         _pending_comm.comm = None

@@ -119,7 +119,9 @@ def build_topology(world: Communicator, ranks_per_node: int | None = None,
     if ranks_per_node is None:
         ranks_per_node = emulated_ranks_per_node()
     if ranks_per_node:
-        node_comm = w.Split(color=rank // ranks_per_node, key=rank)
+        # by start-up rank: after hpcddp.elastic shrinks the world, an emulated node keeps
+        # the ranks it had (a lost node's survivors do not shift into other nodes)
+        node_comm = w.Split(color=world.world_ranks[rank] // ranks_per_node, key=rank)
     else:
         node_comm = w.Split_type(MPI.COMM_TYPE_SHARED, key=rank if local_key is None else local_key)
     local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()

@@ -31,10 +31,12 @@ __all__ = ["CollectiveMismatchError", "FlightRecorder", "RECORDER", "STALL_EXIT_
            "start_diagnostics", "watchdog"]
 
 
-def start_diagnostics(world, host: str, timeout=None):
+def start_diagnostics(world, host: str, timeout=None, base=None):
     """Start the watchdog on every rank (collective over the world: hpcddp.init calls it).
 
     timeout: seconds (or a timedelta; 0 turns the watchdog off); None: HPCDDP_TIMEOUT.
+    base: the mpi4py communicator the watchdog duplicates for its messages (default
+        MPI_COMM_WORLD; hpcddp.elastic passes the survivors' world after a lost rank).
     Returns the Watchdog, or None for a single rank or a disabled watchdog.
     """
     global _watchdog, _atexit
@@ -51,7 +53,7 @@ def start_diagnostics(world, host: str, timeout=None):
         from hpcddp.diagnostics.watchdog import Watchdog
         from hpcddp.diagnostics.abort import install_rank_prefixed_excepthook
         install_rank_prefixed_excepthook()
-        wd = Watchdog(world, settings, host)
+        wd = Watchdog(world, settings, host, base=base)
         wd.start()
         _watchdog = wd
         if not _atexit:
@@ -88,6 +90,26 @@ def query_ranks(ranks, wait: float):
     if wd is None or not wd.multiple:
         return None
     return wd.query(list(ranks), wait)
+
+
+def stop_without_barrier() -> None:
+    """Stop this rank's watchdog at once, with no final barrier (hpcddp.elastic: some of its
+    peers are dead). In-flight records are closed as abandoned. Idempotent."""
+    global _watchdog
+    from hpcddp.diagnostics import recorder
+    with _lock:
+        wd, _watchdog = _watchdog, None
+    now = recorder._now()
+    for e in list(recorder.RECORDER.buf):
+        if e is not None and e[recorder.T_END] == 0.0:
+            e[recorder.T_END] = now
+            e.append("abandoned")
+    if wd is not None:
+        wd._stopping = True
+        wd._stop.set()
+        if wd.thread.is_alive() and threading.current_thread() is not wd.thread:
+            wd.thread.join(timeout=2.0)
+        # its communicator has dead members: dropped, not freed (freeing may synchronise)
 
 
 def shutdown_diagnostics() -> None:

@@ -61,10 +61,13 @@ def pid_state(pid: int) -> str:
 
 
 class Watchdog:
-    def __init__(self, world, settings: _cfg.Settings, host: str):
+    def __init__(self, world, settings: _cfg.Settings, host: str, base=None):
         self.world = world                       # hpcddp's WORLD Communicator (for records)
         self.settings = settings
-        self.diag = MPI.COMM_WORLD.Dup()         # collective: every rank runs init
+        # collective: every rank runs init (base: the survivors' world in elastic mode)
+        self.diag = (MPI.COMM_WORLD if base is None else base).Dup()
+        # hpcddp.elastic sets it: a dead peer is then ULFM's to handle, not a stall to report
+        self.peer_failures_survivable = False
         self.rank = self.diag.Get_rank()
         self.size = self.diag.Get_size()
         self.host = host
@@ -198,6 +201,8 @@ class Watchdog:
         return self.rank
 
     def _dead_local(self, ranks) -> list:
+        if self.peer_failures_survivable:
+            return []
         return [r for r in ranks if r in self.local_peers and pid_state(self.pids[r]) == "dead"]
 
     def local_stall(self, now: float | None = None):
