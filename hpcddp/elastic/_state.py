@@ -1,0 +1,397 @@
+"""State: the training loop's elastic wrapper (model, optimizer, sampler, step counter).
+
+A step either completes on the survivors or is retried; see docs/elastic.md for the whole
+story. The parts:
+
+- ``with state.step():`` runs one training step. An exception that is an MPI process failure
+  (error class MPI_ERR_PROC_FAILED, _PENDING or MPI_ERR_REVOKED, however torch wrapped it,
+  or any exception while this rank's world knows of a failed process) is swallowed and the
+  step marked failed; any other exception propagates as usual.
+- A step is *committed* when its ``optimizer.step()`` has run (a post-hook notices) or the
+  block ended without error: from then on its samples count as trained.
+- ``for batch in state.batches(loader)`` notices the failed step and recovers before handing
+  out the next batch: revoke the world (every survivor still waiting in an MPI call returns
+  MPI_ERR_REVOKED), shrink it to the survivors, agree on the furthest committed position
+  (max over survivors), broadcast model, optimizer and scheduler state from the lowest
+  survivor that holds it, rebuild hpcddp's world, topology and watchdog, the torch default
+  group (new store on the new rank 0) and DDP, deal the rest of the epoch over the survivors,
+  and go on. A second failure during recovery starts it again on the smaller world.
+- The epoch ends with ``MPI_Comm_agree`` (fault tolerant, the same outcome on every survivor),
+  so no survivor leaves an epoch while another retries its last step.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+
+from hpcddp.elastic import _inject
+from hpcddp.elastic._sampler import ElasticBatchSampler
+from hpcddp.elastic._support import check_support
+
+FAILURE_MARKERS = ("MPI_ERR_PROC_FAILED", "MPI_ERR_REVOKED", "PROC_FAILED", "REVOKED")
+
+
+def _mpi():
+    from hpcddp.comm._mpi import MPI
+    return MPI
+
+
+def is_process_failure(exc: BaseException, comm=None) -> bool:
+    """Whether EXC comes from a lost process (ULFM error classes), looking through torch's
+    wrappers (DDP re-raises the Work's error as a RuntimeError holding its text)."""
+    MPI = _mpi()
+    classes = {MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED,
+               getattr(MPI, "ERR_PROC_FAILED_PENDING", MPI.ERR_PROC_FAILED)}
+    seen = set()
+    e = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, MPI.Exception):
+            try:
+                if e.Get_error_class() in classes:
+                    return True
+            except Exception:
+                pass
+        if any(m in str(e) for m in FAILURE_MARKERS):
+            return True
+        e = e.__cause__ or e.__context__
+    if comm is not None:
+        try:
+            if comm.Is_revoked():
+                return True
+            g = comm.Get_failed()
+            try:
+                return g.Get_size() > 0
+            finally:
+                g.Free()
+        except Exception:
+            return False
+    return False
+
+
+class Recovery:
+    """What one recovery did (``State.recoveries`` keeps them, in order)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def __repr__(self) -> str:
+        return f"Recovery({self.__dict__})"
+
+
+class State:
+    """Elastic training state. Build it on every rank after ``hpcddp.init_process_group()``.
+
+    Args:
+        module: the model (not wrapped: State wraps it in DDP and rewraps after a failure;
+            use ``state.model`` for the forward pass).
+        optimizer: over ``module``'s parameters.
+        batch_sampler: an :class:`ElasticBatchSampler` (the DataLoader's ``batch_sampler``).
+        scheduler: optional LR scheduler, recovered with the optimizer.
+        ddp_kwargs: passed to ``DistributedDataParallel`` each time it is built.
+        on_recovery: callables run on every survivor after a recovery, with the State (e.g.
+            to rebuild your own subgroups; ``state.groups`` has the topology groups).
+        topology_groups: build ``hpcddp.topology_groups()`` now and after each recovery.
+        verbose: the new rank 0 prints one line per recovery.
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer, batch_sampler: ElasticBatchSampler,
+                 *, scheduler=None, ddp_kwargs: dict | None = None, on_recovery=(),
+                 topology_groups: bool = False, verbose: bool = True):
+        if not isinstance(batch_sampler, ElasticBatchSampler):
+            raise TypeError(f"State: batch_sampler must be an hpcddp.elastic.ElasticBatchSampler, "
+                            f"got {type(batch_sampler).__name__}")
+        if not dist.is_initialized():
+            raise RuntimeError("State: call hpcddp.init_process_group() first")
+        check_support()
+        from hpcddp.comm import startup
+        self._rt = startup.runtime()
+        self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
+        self.sampler = batch_sampler
+        self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.on_recovery = list(on_recovery)
+        self.verbose = verbose
+        self.want_groups = topology_groups
+        self.groups: dict = {}
+        self.epoch = 0
+        self.pos = 0                      # committed position in the epoch's order
+        self.global_step = 0              # committed steps over the whole run
+        self.recoveries: list[Recovery] = []
+        self.trained: list[tuple[int, int, list[int]]] = []  # (epoch, global step, indices)
+        self.record_indices = False
+        self.original_rank = self.world.world_ranks[self.world.rank]
+        self._failed = None
+        self._stepped = False
+        self._chunk = None
+        self._failed_at = None
+        self._first_step_after = None
+        self._kills = [k for k in _inject.parse(_inject.os.environ.get(_inject.ENV))
+                       if k[0] == self.original_rank]
+        optimizer.register_step_pre_hook(lambda *a: self._maybe_die("optimizer"))
+        optimizer.register_step_post_hook(self._on_optimizer_step)
+        if any(p == "forward" for _, _, p in self._kills):
+            module.register_forward_pre_hook(lambda *a: self._maybe_die("forward"))
+        _watchdog_survives_peers()
+        self.model = self._wrap()
+        if topology_groups:
+            from hpcddp.backend import topology_groups as tg
+            self.groups = tg()
+
+    # -- what the loop sees ------------------------------------------------------------------
+    @property
+    def world(self):
+        """hpcddp's world Communicator now (smaller after a recovery)."""
+        return self._rt.world
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def size(self) -> int:
+        return self.world.size
+
+    def epochs(self, num_epochs: int):
+        """Yield epoch numbers from the current one to NUM_EPOCHS - 1, setting the sampler."""
+        while self.epoch < num_epochs:
+            self.sampler.set_epoch(self.epoch)
+            self.sampler.repartition(self.size, self.rank, self.pos)
+            yield self.epoch
+            self.epoch += 1
+            self.pos = 0
+
+    def batches(self, loader):
+        """Yield LOADER's batches for the rest of this epoch; after a failed step, recover and
+        go on with the re-dealt rest of the epoch. The loader's batch_sampler must be this
+        State's sampler."""
+        if getattr(loader, "batch_sampler", None) is not self.sampler:
+            raise ValueError("State.batches: the loader's batch_sampler is not this State's "
+                             "ElasticBatchSampler (DataLoader(ds, batch_sampler=state.sampler))")
+        while True:
+            if self.pos >= self.sampler.epoch_samples:
+                if self._epoch_agreed():
+                    return
+                continue
+            chunks = self.sampler.chunks(self.pos)
+            it = iter(loader)
+            for chunk in chunks:
+                self._chunk = chunk
+                self._maybe_die("data")
+                batch = next(it)
+                self._failed, self._stepped = None, False
+                yield batch
+                if self._failed is not None:
+                    break
+            if self._failed is not None:
+                it = None
+                self.recover(self._failed)
+
+    @contextlib.contextmanager
+    def step(self):
+        """One training step: a process failure inside is caught and the step retried."""
+        try:
+            yield self
+        except BaseException as exc:
+            if not isinstance(exc, Exception) or not is_process_failure(exc, self.world.mpi):
+                raise
+            self._failed = exc
+            if self._failed_at is None:
+                self._failed_at = time.time()
+            if self._stepped:
+                self._commit()        # the update of the full world's gradient was applied
+            return
+        self._commit()
+
+    # -- commits ----------------------------------------------------------------------------------
+    def _on_optimizer_step(self, *args):
+        self._stepped = True
+
+    def _commit(self) -> None:
+        if self._chunk is None:
+            return
+        if self.record_indices:
+            self.trained.append((self.epoch, self.global_step, self.sampler.local(self._chunk)))
+        self.pos = self._chunk[1]
+        self._chunk = None
+        self.global_step += 1
+        if self._first_step_after is not None and self._failed is None:
+            rec = self.recoveries[-1]
+            rec.first_step_at = time.time()
+            kill = _inject.kill_times()
+            t_kill = min((kill[r] for r in rec.lost if r in kill), default=None)
+            rec.kill_to_step_s = None if t_kill is None else rec.first_step_at - t_kill
+            rec.detect_to_step_s = rec.first_step_at - rec.detected_at
+            self._first_step_after = None
+            if self.verbose and self.rank == 0:
+                from hpcddp.comm import output as _log
+                extra = "" if rec.kill_to_step_s is None else \
+                    f"; kill -> first completed step {rec.kill_to_step_s:.3f} s"
+                _log.log(f"elastic: first step after the recovery completed (step "
+                         f"{self.global_step - 1}){extra}")
+
+    def _maybe_die(self, phase: str) -> None:
+        for r, s, p in self._kills:
+            if p == phase and s == self.global_step:
+                _inject.die(r, s, p)
+
+    # -- recovery ---------------------------------------------------------------------------------
+    def _epoch_agreed(self) -> bool:
+        """MPI_Comm_agree at the end of an epoch; False (after recovering) if a rank was lost."""
+        MPI = _mpi()
+        try:
+            self.world.mpi.Agree(1)
+            return True
+        except MPI.Exception as exc:
+            if not is_process_failure(exc, self.world.mpi):
+                raise
+            if self._failed_at is None:
+                self._failed_at = time.time()
+            self.recover(exc)
+            return self.pos >= self.sampler.epoch_samples
+
+    def recover(self, cause: BaseException | None = None) -> Recovery:
+        """Revoke, shrink, agree, restore, rebuild (every survivor calls it)."""
+        MPI = _mpi()
+        from hpcddp.comm import output as _log
+        detected = self._failed_at or time.time()
+        t0 = time.perf_counter()
+        old_ranks = set(self.world.world_ranks)
+        comm = self.world.mpi
+        old_model, self.model = self.model, None
+        del old_model
+        while True:
+            for c in _comms_to_revoke(self._rt):
+                try:
+                    c.Revoke()
+                except MPI.Exception:
+                    pass
+            new = comm.Shrink()
+            new.Set_errhandler(MPI.ERRORS_RETURN)
+            try:
+                mine = (self.epoch, self.pos, self.global_step)
+                best = new.allreduce((mine, -new.Get_rank()), op=MPI.MAX)
+                (epoch, pos, gstep), src = best[0], -best[1]
+                self._rebuild_world(new)
+                self._restore(src)
+                break
+            except MPI.Exception as exc:
+                if not is_process_failure(exc, new):
+                    raise
+                comm = new            # another rank was lost while recovering: again
+        from hpcddp.comm.communicator import translate_to_world
+        now_ranks = set(translate_to_world(self.world.mpi))
+        lost = sorted(old_ranks - now_ranks)
+        redealt = len(self.sampler.chunks(self.pos))
+        self.sampler.repartition(self.size, self.rank, self.pos)
+        self.model = self._wrap()
+        if self.want_groups:
+            from hpcddp.backend import topology_groups as tg
+            self.groups = tg()
+        for fn in self.on_recovery:
+            fn(self)
+        seconds = time.perf_counter() - t0
+        rec = Recovery(lost=lost, world_size=self.size, step=self.global_step, epoch=self.epoch,
+                       position=self.pos, steps_redealt=redealt, source_rank=src,
+                       seconds=seconds, detected_at=detected, cause=repr(cause)[:200],
+                       first_step_at=None, kill_to_step_s=None, detect_to_step_s=None)
+        self.recoveries.append(rec)
+        self._failed, self._failed_at, self._stepped = None, None, False
+        self._first_step_after = rec
+        if self.verbose and self.rank == 0:
+            _log.log(f"elastic: lost rank{'s' if len(lost) != 1 else ''} "
+                     f"{', '.join(map(str, lost))} (start-up numbering) before step "
+                     f"{self.global_step} (epoch {self.epoch + 1}, {self.pos} of "
+                     f"{self.sampler.epoch_samples} samples done); recovered in {seconds:.3f} s "
+                     f"on {self.size} rank(s): state from rank {src}, the epoch's last "
+                     f"{redealt} step(s) dealt over the survivors")
+        return rec
+
+    def _rebuild_world(self, new) -> None:
+        """hpcddp's world, topology and watchdog, and torch's default group, on NEW."""
+        from hpcddp.backend import bootstrap_store
+        from hpcddp.comm import startup
+        from hpcddp.comm.communicator import Communicator, translate_to_world
+        from hpcddp.comm.topology import build_topology, emulated_ranks_per_node
+        rt = self._rt
+        _stop_watchdog()
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+        gc.collect()
+        world = Communicator(new, "WORLD", translate_to_world(new))
+        rt.world = world
+        launch = rt.launch
+        key = launch.local_rank if launch is not None and launch.local_rank is not None else None
+        if rt.local_rank_source == "emulated" or key is None or emulated_ranks_per_node():
+            key = None
+        rt.topology = build_topology(world, emulated_ranks_per_node(), key)
+        _restart_watchdog(world, rt.topology.hostname)
+        store = bootstrap_store()
+        dist.init_process_group("hpcddp", store=store, rank=world.rank, world_size=world.size)
+        del startup
+
+    def _restore(self, src: int) -> None:
+        """Model, optimizer, scheduler, position from world rank SRC (broadcast)."""
+        comm = self.world.mpi
+        payload = None
+        if comm.Get_rank() == src:
+            payload = {"model": self.module.state_dict(),
+                       "optimizer": self.optimizer.state_dict(),
+                       "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                       "where": (self.epoch, self.pos, self.global_step)}
+        payload = comm.bcast(payload, root=src)
+        if comm.Get_rank() != src:
+            self.module.load_state_dict(payload["model"])
+            self.optimizer.load_state_dict(payload["optimizer"])
+            if self.scheduler is not None and payload["scheduler"] is not None:
+                self.scheduler.load_state_dict(payload["scheduler"])
+            self.epoch, self.pos, self.global_step = payload["where"]
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _wrap(self):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(self.module, init_sync=False, **self.ddp_kwargs)
+        if any(p == "backward" for _, _, p in self._kills):
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            def dying_allreduce(pg, bucket):
+                fut = default_hooks.allreduce_hook(pg, bucket)
+                self._maybe_die("backward")
+                return fut
+            model.register_comm_hook(None, dying_allreduce)
+        return model
+
+
+def _comms_to_revoke(rt):
+    """The world and the topology's communicators: revoking them wakes any survivor (or any
+    thread of this one) blocked on them."""
+    out = [rt.world.mpi]
+    topo = rt.topology
+    for c in (topo.node_comm, topo.leader_comm, topo.cross_comm):
+        if c is not None:
+            out.append(c)
+    return out
+
+
+def _watchdog_survives_peers() -> None:
+    from hpcddp import diagnostics
+    wd = diagnostics._watchdog   # (the name "watchdog" is also its submodule)
+    if wd is not None:
+        wd.peer_failures_survivable = True
+
+
+def _stop_watchdog() -> None:
+    from hpcddp import diagnostics
+    diagnostics.stop_without_barrier()
+
+
+def _restart_watchdog(world, host) -> None:
+    from hpcddp import diagnostics
+    wd = diagnostics.start_diagnostics(world, host, base=world.mpi)
+    if wd is not None:
+        wd.peer_failures_survivable = True
