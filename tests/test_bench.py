@@ -294,7 +294,8 @@ def test_comm_smoke_every_op_and_impl(tmp_path):
     assert result["setup"]["ranks"] == 2 and result["load"]["wall_s"] > 0
     # the agreement's cost is measured where the reductions check calls, and nowhere else
     checked = {c["op"] for c in result["cells"] if "times_s" in c["impls"]["direct-unchecked"]}
-    assert checked == {"all_reduce", "reduce_scatter", "reduce_scatter_tensor"}, checked
+    assert checked == {"all_reduce", "reduce_scatter", "reduce_scatter_tensor", "broadcast"}, \
+        checked
     assert all("direct/direct-unchecked" in c["ratios"] for c in result["cells"]
                if c["op"] in checked)
     assert "all_reduce" in res.stdout and "targets:" in res.stdout

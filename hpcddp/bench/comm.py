@@ -9,7 +9,7 @@ Implementations, all on the same buffers (float32, SUM) in the same job:
 ``gloo``        gloo through ``torch.distributed`` (a second group, ``backend="gloo"``)
 ``memcpy``      ``np.copyto`` of the same S bytes on each rank: a ceiling, not a collective
 ``hpcddp-async`` (opt-in) ``dist.all_reduce(t, async_op=True).wait()``: the path DDP takes
-``direct-unchecked`` (opt-in; all_reduce, reduce_scatter) the direct API with default mode's
+``direct-unchecked`` (opt-in; all_reduce, reduce_scatter, broadcast) the direct API with default mode's
                 cross-rank call agreement turned off: ``direct`` / ``direct-unchecked`` is
                 what the agreement costs (docs/hangs.md). Not a mode users can select.
 ==============  ===========================================================================
@@ -152,6 +152,7 @@ class Broadcast(_Cell):
             "mpi4py": lambda: raw.Bcast(a, root=0),
             "hpcddp": lambda: dist.broadcast(t, 0),
             "direct": lambda: hp.broadcast(t, 0),
+            "direct-unchecked": c.unchecked(lambda: hp.broadcast(t, 0)),
             "gloo": lambda: dist.broadcast(t, 0, group=G),
             "hpcddp-async": lambda: dist.broadcast(t, 0, async_op=True).wait(),
         }
@@ -404,13 +405,14 @@ class Context:
 
     @staticmethod
     def unchecked(fn):
-        """FN run with the reductions' cross-rank call agreement off: the recorder's plain
-        start instead of the agreeing one, and no hash for the arena to compare. Swapped per
-        call (two attribute writes each way), so every other row runs the real code."""
+        """FN run with the cross-rank call agreement off: the recorder's plain start instead
+        of the agreeing one in the reductions and broadcast, and no hash for the node-local
+        paths to compare. Swapped per call (a few attribute writes each way), so every other
+        row runs the real code."""
         import importlib
         from hpcddp.diagnostics import mismatch, recorder
-        reductions = importlib.import_module("hpcddp.collectives.reduce")  # not the function
-        checked = reductions.record, mismatch.agreement
+        ops = [importlib.import_module(f"hpcddp.collectives.{m}") for m in ("reduce", "gather")]
+        checked = [op.record for op in ops], mismatch.agreement
         start = recorder.start
 
         def plain(comm, op, shape=None, dtype=None, peer=None, red=None):
@@ -420,11 +422,15 @@ class Context:
             return None
 
         def run():
-            reductions.record, mismatch.agreement = plain, no_hash
+            for op in ops:
+                op.record = plain
+            mismatch.agreement = no_hash
             try:
                 fn()
             finally:
-                reductions.record, mismatch.agreement = checked
+                for op, record in zip(ops, checked[0]):
+                    op.record = record
+                mismatch.agreement = checked[1]
         return run
 
 

@@ -11,15 +11,17 @@ other part out of the root's tensor, so every core copies (n-1)/n of the payload
 
 Per call (the tensor itself is the buffer on both sides: no staging copy)::
 
-    1. Allgather (address, bytes) of every rank's tensor         (16 bytes per rank)
+    1. Allgather (address, bytes, call hash) of every rank's tensor    (24 bytes per rank)
     2. the copies: root -> part i of receiver i; receiver r <- parts j != r of the root
     3. Allreduce of "all my copies succeeded"                      (the end of the op)
 
 Step 3 is what makes it safe: the root's tensor stays untouched until every reader is done,
 and a receiver's tensor is complete only once the root's write into it is. If any rank's copy
 failed (the kernel refused: a ptrace policy, a seccomp filter, a peer gone), every rank moves
-the tensor again with MPI's Bcast and the group stops using this path; if the ranks' byte
-counts disagree (a caller's bug), MPI's Bcast runs and reports it as before.
+the tensor again with MPI's Bcast and the group stops using this path. The call hash
+(diagnostics.mismatch: op, sequence number, count, dtype, root) rides in step 1's Allgather:
+ranks that disagree on the call (a caller's bug: a different root would have two ranks write
+into each other) all see it in the same table and all raise before any copy.
 
 A group gets the path on its first large broadcast (collective): its ranks must share one
 node, each must be able to read a neighbour's memory (checked against a random token, so a
@@ -107,8 +109,8 @@ class Peers:
     def __init__(self, comm, pids: list[int]):
         self.comm = comm
         self.pids = pids
-        self.mine = np.zeros(2, np.int64)                 # (address, bytes) of this rank
-        self.table = np.zeros((comm.size, 2), np.int64)   # ... of every rank
+        self.mine = np.zeros(3, np.int64)                 # (address, bytes, call hash) of this rank
+        self.table = np.zeros((comm.size, 3), np.int64)   # ... of every rank
         self.ok = np.ones(1, np.int32)
 
     @classmethod
@@ -140,14 +142,19 @@ class Peers:
         return _node.race("cma (broadcast 24 MiB)", self.comm, lambda: self.broadcast(arr, 0),
                           lambda: mpi.Bcast(arr, root=0))
 
-    def broadcast(self, arr: np.ndarray, root: int) -> None:
-        """ARR (contiguous, this rank's tensor's memory) from group rank ROOT to every rank."""
+    def broadcast(self, arr: np.ndarray, root: int, check=None) -> None:
+        """ARR (contiguous, this rank's tensor's memory) from group rank ROOT to every rank.
+        CHECK: the call's hash (diagnostics.mismatch.agreement) or None."""
         comm = self.comm
         mpi, n = comm.mpi, comm.size
         nbytes = arr.nbytes
-        self.mine[0], self.mine[1] = arr.ctypes.data, nbytes
-        mpi.Allgather(self.mine, self.table)
-        if (self.table[:, 1] != nbytes).any():  # the same table everywhere: all ranks agree
+        mine = self.mine
+        mine[0], mine[1], mine[2] = arr.ctypes.data, nbytes, 0 if check is None else check.value
+        mpi.Allgather(mine, self.table)
+        # the same table everywhere: every rank takes the same branch below
+        if check is not None and (self.table[:, 2] != mine[2]).any():
+            check.refuse()
+        if (self.table[:, 1] != nbytes).any():  # unchecked (detail mode checked it already)
             mpi.Bcast(arr, root=root)           # sizes differ: MPI reports it, as it always did
             return
         cut = [nbytes * j // n // ALIGN * ALIGN for j in range(n)] + [nbytes]

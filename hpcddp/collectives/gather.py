@@ -16,6 +16,7 @@ from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, chec
                                         finish_or_work, record, record_end, resolve, same_spec)
 from hpcddp.collectives import _device
 from hpcddp.comm.buffers import DeviceTensor
+from hpcddp.diagnostics import mismatch as _mismatch
 
 
 def broadcast(tensor, src, group=None, async_op=False):
@@ -31,7 +32,7 @@ def broadcast(tensor, src, group=None, async_op=False):
         return _device.broadcast(tensor, src, comm, async_op)
     entry = record(comm, "broadcast", tensor.shape, tensor.dtype, src)
     if _cma.usable(comm, arr.nbytes):  # ranks of one node: the copy split between them
-        _cma.peers(comm).broadcast(arr, src)
+        _cma.peers(comm).broadcast(arr, src, _mismatch.agreement(comm, entry))
         record_end(entry)
         return CompletedWork([tensor]) if async_op else None
     # The blocking MPI call, with or without async_op: MPI never matches a blocking collective

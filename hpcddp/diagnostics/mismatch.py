@@ -144,7 +144,8 @@ def mismatch_message(group: str, world_ranks, rows) -> str:
 # min(h) == h == max(h) on every rank, or every rank raises.
 # - The shared-memory arena (one node, SUM family, from 1 MiB) needs no message for it: each
 #   rank writes h into the arena before the arena's own first barrier and reads everyone's
-#   after it (hpcddp.collectives._shm).
+#   after it (hpcddp.collectives._shm). The CMA broadcast (one node, from 1 MiB) carries h in
+#   the address exchange it makes anyway (hpcddp.collectives._cma).
 # - Every other collective of at least AGREE_BYTES runs it before the op (agreed_start). An
 #   extra synchronisation before an op costs more than the message (ranks that ran apart
 #   wait for each other: docs/hangs.md has the figures), hence the threshold.
@@ -184,7 +185,7 @@ def agreed_start(comm, op: str, shape=None, dtype=None, peer=None, red=None) -> 
 
 
 class CallHash:
-    """A call's hash for the shared-memory arena to compare across ranks (it has its own
+    """A call's hash for a node-local path to compare across ranks (it has its own
     synchronisation to carry it: no message of the check's own)."""
     __slots__ = ("value", "_comm", "_entry", "_row")
 
@@ -197,8 +198,9 @@ class CallHash:
 
 
 def agreement(comm, entry, red=None):
-    """ENTRY's CallHash, for the arena to compare after its first barrier, or None where
-    nothing is left to check: the call was agreed on by agreed_start already, or
+    """ENTRY's CallHash, for a node-local path to compare in a synchronisation it makes anyway
+    (the arena's first barrier, the CMA broadcast's address exchange), or None where nothing
+    is left to check: the call was agreed on by agreed_start already, or
     HPCDDP_DEBUG=detail compared it."""
     shape, dtype = entry[_rec.SHAPE], entry[_rec.DTYPE]
     count = _count(shape)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import hpcddp
-from hpcddp.collectives import _shm
+from hpcddp.collectives import _cma, _shm
 from hpcddp.diagnostics.mismatch import AGREE_BYTES, CollectiveMismatchError
 
 N = (16 << 20) // 4          # 16 MiB of float32
@@ -129,6 +129,28 @@ def test_arena_agrees_below_the_agreement_size(world, op, differs, monkeypatch):
             needle = f"(count {c // n}, float32"
         expect_refused(lambda: dist.reduce_scatter_tensor(out, inp, op=red), out,
                        "reduce_scatter #", needle)
+
+
+@pytest.mark.parametrize("differs", ["count", "dtype", "root"])
+def test_cma_broadcast_agrees_below_the_agreement_size(world, differs, monkeypatch):
+    """From 1 MiB a broadcast on one node copies by cross-memory attach, whose address
+    exchange carries the call's hash: a different root would have had ranks write into each
+    other's tensors."""
+    monkeypatch.setattr(_cma, "MODE", "force")
+    monkeypatch.setattr(_cma, "_peers", weakref.WeakKeyDictionary())
+    c, dtype, src = (2 << 20) // 4, torch.float32, 0
+    if odd():
+        if differs == "count":
+            c -= 1000
+        elif differs == "dtype":
+            dtype = torch.int32
+        else:
+            src = 1
+    t = torch.full((c,), dist.get_rank(), dtype=dtype)
+    needle = {"count": f"(count {(2 << 20) // 4 - 1000}, float32", "dtype": "int32",
+              "root": "root 1"}[differs]
+    expect_refused(lambda: dist.broadcast(t, src=src), t, "broadcast #", needle)
+    assert _cma.peers(hpcddp.world()) is not None, "the CMA path was not used"
 
 
 def test_agreeing_large_calls_still_run(world, path):
