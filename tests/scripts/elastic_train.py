@@ -54,14 +54,17 @@ def main():
     log = open(os.path.join(out, f"trained.{me}"), "a")
     for epoch in state.epochs(epochs):
         for x, y, idx in state.batches(loader):
+            gen = len(state.recoveries)     # which world this attempt runs on
+            log.write(json.dumps(["attempt", epoch, state.global_step, gen, idx.tolist()]) + "\n")
+            log.flush()
             with state.step():
                 loss = F.cross_entropy(state.model(x), y)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                sched.step()
-                log.write(json.dumps([epoch, state.global_step, idx.tolist()]) + "\n")
+                log.write(json.dumps(["commit", epoch, state.global_step, gen]) + "\n")
                 log.flush()
+                sched.step()
     # topology groups were rebuilt: a collective over the node group must work
     g = state.groups["node"]
     t = torch.ones(1)

@@ -1,0 +1,160 @@
+"""Elastic mode (hpcddp.elastic): a job that loses ranks goes on and ends well.
+
+Each case runs tests/scripts/elastic_train.py (a float64 MLP, 240 samples, global batch 24:
+10 steps an epoch, 2 epochs, small gradient buckets) under ``mpirun --with-ft ulfm`` with
+ranks SIGKILLing themselves (HPCDDP_ELASTIC_KILL) at a step and phase. Each case checks what
+a user would: the job exits 0; exactly the survivors finish; they hold the same parameters
+bit for bit; in every epoch each sample was trained on exactly once (counted from every
+rank's log, the dead ranks' included: the samples of a step are those of the attempt whose
+optimizer update was kept); the lost ranks are the ones killed, and the run holds the steps
+it should. Outside elastic mode a lost rank still ends the job at once, naming it.
+"""
+import collections
+import json
+import os
+import pathlib
+import sys
+import time
+
+import pytest
+
+from hpcddp.launch.mpirun import run_mpi
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "tests" / "scripts" / "elastic_train.py")
+ULFM = ["--with-ft", "ulfm"]
+EPOCHS, BATCH, N = 2, 24, 240
+STEPS = EPOCHS * (N // BATCH)
+TIMEOUT = 150
+
+
+def _ulfm_problem():
+    try:
+        import mpi4py
+        from hpcddp.launch.mpirun import find_mpirun
+        import subprocess
+        info = subprocess.run([os.path.join(os.path.dirname(find_mpirun()), "ompi_info")],
+                              capture_output=True, text=True, timeout=60).stdout
+    except (OSError, ImportError, subprocess.SubprocessError) as exc:
+        return f"no Open MPI to ask for ULFM: {exc}"
+    if "FT MPI support: yes" not in info:
+        return "this Open MPI is built without ULFM (ompi_info: FT MPI support is not yes)"
+    if int(mpi4py.__version__.split(".")[0]) < 4:
+        return "mpi4py < 4 has no Comm.Revoke/Shrink"
+    return None
+
+
+_problem = _ulfm_problem()
+needs_ulfm = pytest.mark.skipif(_problem is not None, reason=str(_problem))
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for k in ("HPCDDP_RANKS_PER_NODE", "HPCDDP_ELASTIC_KILL", "HPCDDP_LAUNCHER"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def _run(tmp, nprocs, kill, workers=0, rpn=None):
+    env = _env(HPCDDP_ELASTIC_KILL=kill, TMPDIR=str(tmp))
+    if rpn:
+        env["HPCDDP_RANKS_PER_NODE"] = str(rpn)
+    t0 = time.monotonic()
+    res = run_mpi(nprocs, [sys.executable, SCRIPT, str(tmp), str(EPOCHS), str(BATCH),
+                           str(workers)], timeout=TIMEOUT, env=env, extra=ULFM)
+    return res, time.monotonic() - t0
+
+
+def _check(tmp, res, nprocs, killed):
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, f"exit {res.returncode}\n{out[-5000:]}"
+    survivors = sorted(set(range(nprocs)) - set(killed))
+    finals = {int(p.name.split(".")[1]): json.loads(p.read_text()) for p in tmp.glob("final.*.json")}
+    assert sorted(finals) == survivors, (sorted(finals), out[-3000:])
+    params = {r: f["params"] for r, f in finals.items()}
+    assert len(set(params.values())) == 1, "survivors' parameters differ"
+    f0 = finals[survivors[0]]
+    assert f0["size"] == len(survivors) and f0["global_step"] == STEPS, f0
+    lost = sorted(r for rec in f0["recoveries"] for r in rec["lost"])
+    assert lost == sorted(killed), (lost, f0["recoveries"])
+    for r in killed:
+        assert f"[rank{r}] elastic: fault injection: SIGKILL" in out
+    assert "elastic: lost rank" in out
+    _check_samples(tmp, nprocs)
+    return finals
+
+
+def _check_samples(tmp, nprocs):
+    """Each epoch: the kept attempt of every step, over all ranks, holds each sample once."""
+    attempts = collections.defaultdict(list)     # (epoch, step, gen) -> indices
+    commits = collections.defaultdict(set)       # (epoch, step) -> generations that committed
+    for r in range(nprocs):
+        for line in (tmp / f"trained.{r}").read_text().splitlines():
+            rec = json.loads(line)
+            if rec[0] == "attempt":
+                _, epoch, step, gen, idx = rec
+                attempts[(epoch, step, gen)].extend(idx)
+            else:
+                _, epoch, step, gen = rec
+                commits[(epoch, step)].add(gen)
+    assert sorted(s for _, s in commits) == list(range(STEPS)), sorted(commits)
+    for epoch in range(EPOCHS):
+        seen = collections.Counter()
+        for (e, step), gens in commits.items():
+            if e == epoch:
+                seen.update(attempts[(e, step, max(gens))])
+        twice = [i for i, c in seen.items() if c > 1]
+        missing = sorted(set(range(N)) - set(seen))
+        assert not twice and not missing, f"epoch {epoch}: repeated {twice}, lost {missing}"
+
+
+@needs_ulfm
+@pytest.mark.parametrize("nprocs,kill,workers", [
+    (3, "1@5:backward", 0),          # inside a gradient-bucket all-reduce
+    (4, "2@3:forward", 0),
+    (3, "0@7:optimizer", 0),         # rank 0 (the store's host) lost
+    (4, "1@6:data", 1),              # while loading its batch (a DataLoader worker runs)
+], ids=["backward-3", "forward-4", "rank0-optimizer-3", "data-4"])
+def test_one_rank_lost(tmp_path, nprocs, kill, workers):
+    res, _ = _run(tmp_path, nprocs, kill, workers)
+    _check(tmp_path, res, nprocs, [int(kill.split("@")[0])])
+
+
+@needs_ulfm
+def test_two_failures_one_run(tmp_path):
+    res, _ = _run(tmp_path, 4, "3@2:backward,0@13:forward")
+    finals = _check(tmp_path, res, 4, [3, 0])
+    assert len(finals[1]["recoveries"]) == 2
+
+
+@needs_ulfm
+def test_node_lost(tmp_path):
+    """Both ranks of emulated node 1 (HPCDDP_RANKS_PER_NODE=2) die in one step: the two
+    survivors are node 0, its node group holds both, and there is one node left."""
+    res, _ = _run(tmp_path, 4, "2@4:backward,3@4:backward", rpn=2)
+    finals = _check(tmp_path, res, 4, [2, 3])
+    for f in finals.values():
+        assert f["num_nodes"] == 1 and f["node_group_size"] == 2, f
+
+
+@needs_ulfm
+def test_elastic_needs_ulfm(tmp_path):
+    """Without --with-ft ulfm, State refuses at start-up and says what to do."""
+    res = run_mpi(2, [sys.executable, SCRIPT, str(tmp_path)], timeout=TIMEOUT,
+                  env=_env(EL_ABORT="1"))
+    out = res.stdout + res.stderr
+    assert res.returncode != 0
+    assert "ElasticUnsupportedError" in out and "--with-ft ulfm" in out, out[-3000:]
+
+
+def test_lost_rank_outside_elastic_mode_ends_the_job():
+    """Plain mpirun, plain DDP: a rank SIGKILLed in backward ends the job quickly, named."""
+    t0 = time.monotonic()
+    res = run_mpi(3, [sys.executable, str(ROOT / "tests" / "scenarios" / "sigkill.py"), "ddp", "1"],
+                  timeout=TIMEOUT, env=_env())
+    took = time.monotonic() - t0
+    out = res.stdout + res.stderr
+    assert res.returncode != 0
+    assert "rank 1" in out and "signal 9" in out, out[-3000:]
+    assert took < 60, f"the job took {took:.0f} s to end"
