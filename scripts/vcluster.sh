@@ -1,0 +1,259 @@
+#!/usr/bin/env bash
+# A virtual multi-node cluster on this one machine: N nodes, each with its own network, hostname
+# and node-local disk, so Open MPI, Slurm and staging see separate hosts (docs/multinode-testing.md).
+#
+#   scripts/vcluster.sh up N [--slots S] [--rate R] [--delay D]   make node1..nodeN
+#   scripts/vcluster.sh run NODE CMD...      run CMD on NODE (its namespaces, this cwd, this env)
+#   scripts/vcluster.sh rsh NODE CMDLINE...  ssh-like: CMDLINE through sh -c, clean env (mpirun's agent)
+#   scripts/vcluster.sh slurm-up|slurm-down  slurmctld here + one slurmd per node (after `up`)
+#   scripts/vcluster.sh status               nodes, their pids, addresses, shaping, Slurm
+#   scripts/vcluster.sh down                 remove everything `up` made (also after a crash)
+#
+# A node is a holder process (`sleep`, argv[0] "vcluster-holder-NODE") started by
+# `unshare --net --uts --mount`; `run` and `rsh` nsenter its namespaces. Each node has:
+#   - hostname NODE (UTS), so Open MPI and Slurm count it as its own host;
+#   - eth0 = $SUBNET.I/24, a veth whose other end is on bridge $BRIDGE ($SUBNET.254 here), so
+#     traffic between nodes is real TCP through the kernel's network stack (no shared loopback);
+#   - its own tmpfs at /scratch (node-local disk) and at /dev/shm (shared memory stays in a node);
+#   - /etc/hosts naming every node, bind-mounted in its mount namespace only;
+#   - everything else shared with this machine: the project directory, the venv, /tmp.
+# Optional shaping (`--rate 1gbit --delay 0.1ms`): a netem qdisc on both ends of every veth, so
+# each direction of each node's link is limited; traffic between two nodes crosses two links.
+#
+# mpirun spans the nodes with its own rsh launcher: `run` exports PRTE_MCA_plm_ssh_agent and
+# OMPI_MCA_plm_rsh_agent = "THIS_SCRIPT rsh", and VCLUSTER_HOSTFILE (one "NODE slots=S" line each):
+#   scripts/vcluster.sh run node1 sh -c 'mpirun --hostfile $VCLUSTER_HOSTFILE -n 4 hostname'
+#
+# Settings (environment): VCLUSTER_NAME=vc (several clusters may coexist under different names:
+# state in /run/vcluster/NAME, bridge NAMEbr0, veths NAME-nodeI), VCLUSTER_SUBNET=10.77.0 (give
+# each coexisting cluster its own), VCLUSTER_SCRATCH_SIZE=512m, VCLUSTER_SHM_SIZE=512m.
+# Needs root (namespaces, links, mounts): `up` says so and exits 1 otherwise.
+set -euo pipefail
+
+SELF=$(readlink -f "${BASH_SOURCE[0]}")
+NAME=${VCLUSTER_NAME:-vc}
+[[ "$NAME" =~ ^[a-z][a-z0-9]{0,5}$ ]] || { echo "[vcluster] error: VCLUSTER_NAME='$NAME': expected 1-6 of [a-z0-9], a letter first" >&2; exit 1; }
+DIR=/run/vcluster/$NAME
+SUBNET=${VCLUSTER_SUBNET:-10.77.0}
+BRIDGE=${NAME}br0
+SCRATCH_SIZE=${VCLUSTER_SCRATCH_SIZE:-512m}
+SHM_SIZE=${VCLUSTER_SHM_SIZE:-512m}
+HOLDER=vcluster-$NAME-    # argv[0] prefix of the holder processes: `down` finds them without state
+VETH=$NAME-               # host-side veth names: vc-node1, ... (at most 15 characters)
+
+log() { echo "[vcluster] $*" >&2; }
+die() { echo "[vcluster] error: $*" >&2; exit 1; }
+
+need_root() {
+    [ "$(id -u)" = 0 ] || die "must run as root (network/UTS/mount namespaces, veth, bridge, tmpfs)"
+    local t
+    for t in ip nsenter unshare; do command -v "$t" >/dev/null || die "'$t' not found (iproute2, util-linux)"; done
+}
+
+# --- state --------------------------------------------------------------------------------------
+# $DIR/nodes: one line per node, "NAME PID NETNS_INODE ADDR"; a pid counts only while its net
+# namespace is still the recorded one (a reused pid is not a node).
+
+node_line() { [ -f "$DIR/nodes" ] && awk -v n="$1" '$1 == n' "$DIR/nodes"; }
+node_names() { [ -f "$DIR/nodes" ] && awk '{print $1}' "$DIR/nodes"; }
+ns_inode() { stat -L -c %i "/proc/$1/ns/net" 2>/dev/null; }
+# Alive = exists and is no zombie (a container's init may be slow to reap what `down` killed).
+alive() { [ -d "/proc/$1" ] && ! grep -qs '^State:[[:space:]]*Z' "/proc/$1/status"; }
+
+node_pid() {  # node_pid NAME -> holder pid, or fail with a message
+    local line pid ino
+    line=$(node_line "$1") || true
+    [ -n "$line" ] || die "no node '$1' (nodes: $(node_names 2>/dev/null | xargs echo || true); run 'up N' first)"
+    read -r _ pid ino _ <<<"$line"
+    [ "$(ns_inode "$pid")" = "$ino" ] || die "node '$1' is gone (holder pid $pid dead); run 'down' then 'up'"
+    echo "$pid"
+}
+
+# Every process in the net namespace with inode INO (holder, slurmd, ranks left behind).
+# One stat over all of /proc: a fork per process would take seconds.
+pids_in_netns() {
+    { stat -L -c '%i %n' /proc/[0-9]*/ns/net 2>/dev/null || true; } | awk -v ino="$1" '$1 == ino {split($2, a, "/"); print a[3]}'
+}
+
+holder_pids() {  # every live holder, from argv[0], whatever the state file says
+    { grep -las "^$HOLDER" /proc/[0-9]*/cmdline 2>/dev/null || true; } | cut -d/ -f3
+}
+
+# --- up -----------------------------------------------------------------------------------------
+
+do_up() {
+    need_root
+    local n=${1:-} slots rate="" delay=""
+    [[ "$n" =~ ^[1-9][0-9]?$ ]] || die "up: expected a node count 1..99, got '${n}'"
+    shift
+    slots=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --slots) slots=${2:?--slots needs a value}; shift 2 ;;
+            --rate) rate=${2:?--rate needs a value (e.g. 1gbit)}; shift 2 ;;
+            --delay) delay=${2:?--delay needs a value (e.g. 0.1ms)}; shift 2 ;;
+            *) die "up: unknown option '$1' (valid: --slots S, --rate R, --delay D)" ;;
+        esac
+    done
+    if [ -s "$DIR/nodes" ] || [ -n "$(holder_pids)" ]; then
+        log "a cluster exists: taking it down first"; do_down
+    fi
+    mkdir -p "$DIR"
+    : >"$DIR/nodes.tmp"; : >"$DIR/hostfile"
+    { echo "127.0.0.1 localhost"; local i
+      for i in $(seq 1 "$n"); do echo "$SUBNET.$i node$i"; done; } >"$DIR/hosts"
+    ip link add "$BRIDGE" type bridge
+    ip addr add "$SUBNET.254/24" dev "$BRIDGE"
+    ip link set "$BRIDGE" up
+    for i in $(seq 1 "$n"); do make_node "node$i" "$SUBNET.$i" "$rate" "$delay"; done
+    mv "$DIR/nodes.tmp" "$DIR/nodes"
+    for i in $(seq 1 "$n"); do echo "node$i slots=$slots" >>"$DIR/hostfile"; done
+    printf 'nodes=%s slots=%s rate=%s delay=%s\n' "$n" "$slots" "${rate:-none}" "${delay:-none}" >"$DIR/config"
+    # node1 must reach every node before anyone relies on it (where ping exists).
+    local first; first=$(node_pid node1)
+    command -v ping >/dev/null && for i in $(seq 1 "$n"); do
+        nsenter -t "$first" -n ping -c1 -W2 "$SUBNET.$i" >/dev/null 2>&1 \
+            || die "up: node1 cannot reach node$i ($SUBNET.$i); 'down' cleans up"
+    done
+    log "up: $n node(s) on $BRIDGE ($SUBNET.0/24), $slots slot(s) each, scratch /scratch, shaping ${rate:-none}/${delay:-none}"
+}
+
+make_node() {  # make_node NAME ADDR RATE DELAY
+    local name=$1 addr=$2 rate=$3 delay=$4 pid ino i
+    # setsid: the holder outlives this script and any terminal; exec -a: findable by `down`.
+    setsid unshare --net --uts --mount --propagation private \
+        bash -c "exec -a $HOLDER$name sleep infinity" </dev/null >/dev/null 2>&1 &
+    pid=$!
+    for i in $(seq 50); do  # until unshare has exec'd the holder inside its new namespaces
+        tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline" | grep -q "^$HOLDER$name" && break
+        sleep 0.1
+    done
+    ino=$(ns_inode "$pid")
+    [ -n "$ino" ] && [ "$ino" != "$(ns_inode $$)" ] || die "up: the holder for $name did not start"
+    echo "$name $pid $ino $addr" >>"$DIR/nodes.tmp"
+    nsenter -t "$pid" -u hostname "$name"
+    nsenter -t "$pid" -m sh -c "
+        mkdir -p /scratch &&
+        mount -t tmpfs -o size=$SCRATCH_SIZE,mode=1777 vcluster-scratch-$name /scratch &&
+        mount -t tmpfs -o size=$SHM_SIZE,mode=1777 vcluster-shm-$name /dev/shm &&
+        mount --bind '$DIR/hosts' /etc/hosts" || die "up: mounts for $name failed"
+    ip link add "$VETH$name" type veth peer name "vce-$name"
+    ip link set "vce-$name" netns "$pid"
+    ip link set "$VETH$name" master "$BRIDGE" up
+    nsenter -t "$pid" -n sh -c "
+        ip link set lo up &&
+        ip link set vce-$name name eth0 &&
+        ip addr add $addr/24 dev eth0 &&
+        ip link set eth0 up" || die "up: network for $name failed"
+    if [ -n "$rate$delay" ]; then
+        local spec="netem${delay:+ delay $delay}${rate:+ rate $rate} limit 10000"
+        command -v tc >/dev/null || die "up: --rate/--delay need 'tc' (iproute2)"
+        tc qdisc add dev "$VETH$name" root $spec
+        nsenter -t "$pid" -n tc qdisc add dev eth0 root $spec
+    fi
+}
+
+# --- run / rsh ----------------------------------------------------------------------------------
+
+enter() {  # enter NODE: the nsenter prefix for NODE
+    local pid; pid=$(node_pid "$1")
+    echo nsenter -t "$pid" -n -u -m
+}
+
+do_run() {
+    [ $# -ge 2 ] || die "run: expected NODE CMD..., got '$*'"
+    local node=$1 pfx; shift
+    pfx=$(enter "$node")
+    export PRTE_MCA_plm_ssh_agent="$SELF rsh" OMPI_MCA_plm_rsh_agent="$SELF rsh"
+    export VCLUSTER_HOSTFILE="$DIR/hostfile" VCLUSTER_NODE="$node"
+    # --wd: entering a mount namespace resets the cwd to its root; keep the caller's.
+    exec $pfx --wd="$PWD" -- "$@"
+}
+
+do_rsh() {
+    # As ssh does: the remote command line runs through a shell with a fresh login environment
+    # (not mpirun's: PRTE/PMIx variables of the launching side must not leak into the daemon).
+    # PATH is kept, as a shared home's shell profile would give the venv on every node.
+    [ $# -ge 2 ] || die "rsh: expected NODE CMDLINE..., got '$*'"
+    local node=$1 pfx; shift
+    pfx=$(enter "$node")
+    exec $pfx --wd="${HOME:-/}" -- env -i HOME="${HOME:-/root}" USER="${USER:-root}" \
+        PATH="$PATH" ${LD_LIBRARY_PATH:+LD_LIBRARY_PATH="$LD_LIBRARY_PATH"} \
+        LANG=C.UTF-8 SHELL=/bin/sh VCLUSTER_NODE="$node" \
+        PRTE_MCA_plm_ssh_agent="$SELF rsh" OMPI_MCA_plm_rsh_agent="$SELF rsh" \
+        /bin/sh -c "$*"
+}
+
+# --- down / status ------------------------------------------------------------------------------
+
+do_down() {
+    need_root
+    do_slurm_down quiet || true
+    local pids="" line name pid ino p h
+    # Every process inside a node (holder, daemons, ranks), found by its net namespace, from the
+    # state file and from the holders' argv[0] (a crash may have lost or never written the file).
+    if [ -f "$DIR/nodes" ]; then
+        while read -r name pid ino _; do
+            [ "$(ns_inode "$pid")" = "$ino" ] && pids+=" $(pids_in_netns "$ino" | xargs echo)"
+        done <"$DIR/nodes"
+    fi
+    [ -f "$DIR/nodes.tmp" ] && while read -r name pid ino _; do
+        [ "$(ns_inode "$pid")" = "$ino" ] && pids+=" $(pids_in_netns "$ino" | xargs echo)"
+    done <"$DIR/nodes.tmp"
+    for h in $(holder_pids); do
+        ino=$(ns_inode "$h"); [ -n "$ino" ] && pids+=" $(pids_in_netns "$ino" | xargs echo)"
+    done
+    pids=$(echo $pids | tr ' ' '\n' | sort -u | grep -v "^$$\$" | xargs echo || true)
+    if [ -n "$pids" ]; then
+        kill $pids 2>/dev/null || true
+        for p in $(seq 30); do
+            local left=""; for h in $pids; do alive "$h" && left+=" $h"; done
+            [ -z "$left" ] && break; sleep 0.1
+        done
+        for h in $pids; do kill -9 "$h" 2>/dev/null || true; done
+    fi
+    # A veth dies with its namespace; delete any left (namespace still dying) and the bridge.
+    for p in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | grep "^$VETH" || true); do
+        ip link del "$p" 2>/dev/null || true
+    done
+    ip link del "$BRIDGE" 2>/dev/null || true
+    rm -f "$DIR/nodes" "$DIR/nodes.tmp" "$DIR/hostfile" "$DIR/hosts" "$DIR/config"
+    log "down"
+}
+
+do_status() {
+    if [ ! -s "$DIR/nodes" ]; then echo "no cluster (scripts/vcluster.sh up N)"; return 1; fi
+    cat "$DIR/config" 2>/dev/null || true
+    local name pid ino addr ok=0
+    while read -r name pid ino addr; do
+        if [ "$(ns_inode "$pid")" = "$ino" ]; then
+            echo "$name pid=$pid addr=$addr host=$(nsenter -t "$pid" -u hostname) procs=$(pids_in_netns "$ino" | wc -l)"
+        else
+            echo "$name pid=$pid DEAD"; ok=1
+        fi
+    done <"$DIR/nodes"
+    [ -f "$DIR/slurm/slurm.conf" ] && SLURM_CONF=$DIR/slurm/slurm.conf sinfo -N 2>/dev/null || true
+    return $ok
+}
+
+# --- Slurm --------------------------------------------------------------------------------------
+
+do_slurm_up() { exec bash "$(dirname "$SELF")/vcluster/slurm.sh" up; }
+do_slurm_down() {
+    local f=$(dirname "$SELF")/vcluster/slurm.sh
+    [ -f "$f" ] || return 0
+    if [ "${1:-}" = quiet ]; then bash "$f" down >/dev/null 2>&1; else bash "$f" down; fi
+}
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+    up) do_up "$@" ;;
+    run) do_run "$@" ;;
+    rsh) do_rsh "$@" ;;
+    down) do_down ;;
+    status) do_status ;;
+    slurm-up) do_slurm_up ;;
+    slurm-down) do_slurm_down ;;
+    *) die "unknown command '${cmd}'; use up N, run NODE CMD..., rsh NODE CMDLINE, status, down, slurm-up, slurm-down" ;;
+esac
