@@ -6,6 +6,7 @@ and the --json summary.
 """
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -17,12 +18,13 @@ from hpcddp.data import manifest as mf
 from hpcddp.launch.mpirun import run_mpi
 
 HPCDDP = [sys.executable, "-m", "hpcddp"]
+# `hpcddp ...` whose rank R exits after N chunk writes: KILLED_AFTER + [N, R, "stage", ...]
+KILLED_AFTER = [sys.executable, str(pathlib.Path(__file__).parent / "scripts" / "stage_killed.py")]
 TIMEOUT = 180
 
 
 def _env(**extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HPCDDP_RANKS_PER_NODE="1")
-    env.pop("HPCDDP_STAGE_KILL_AFTER_CHUNKS", None)
     env.update(extra)
     return env
 
@@ -73,9 +75,8 @@ def test_stage_killed_mid_copy_then_resumed(tmp_path):
     dest = str(tmp_path / "dst-{node}")
     # ~60 chunks of 2K per node: killed halfway, after some shards are finished whatever the
     # strategy (allgather interleaves the leaders' shards, so it finishes them later than bcast)
-    argv = HPCDDP + ["stage", str(src), dest, "--chunk-size", "2K", "--no-progress"]
-    killed = run_mpi(2, argv, timeout=TIMEOUT,
-                     env=_env(HPCDDP_STAGE_KILL_AFTER_CHUNKS="30", HPCDDP_STAGE_KILL_RANK="1"))
+    stage = ["stage", str(src), dest, "--chunk-size", "2K", "--no-progress"]
+    killed = run_mpi(2, KILLED_AFTER + ["30", "1"] + stage, timeout=TIMEOUT, env=_env())
     assert killed.returncode != 0, killed.stdout + killed.stderr
     assert "test kill point" in killed.stderr
     node1 = tmp_path / "dst-1"
@@ -87,7 +88,7 @@ def test_stage_killed_mid_copy_then_resumed(tmp_path):
     left = json.loads((node1 / destlock.LOCK_NAME).read_text())   # the killed leader's lock
 
     out = tmp_path / "summary.json"
-    again = run_mpi(2, argv + ["--json", str(out)], timeout=TIMEOUT, env=_env())
+    again = run_mpi(2, HPCDDP + stage + ["--json", str(out)], timeout=TIMEOUT, env=_env())
     assert again.returncode == 0, again.stdout + again.stderr
     assert (f"[rank1] stage: {node1}: taking over the lock left by pid {left['pid']} on host "
             in again.stderr and f"pid {left['pid']} is no longer running" in again.stderr), \

@@ -27,8 +27,7 @@ WAITING = "stage: waiting for the destination lock"
 def _env(n, **extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                HPCDDP_RANKS_PER_NODE="2" if n == 4 else "1")
-    for k in ("HPCDDP_STAGE_KILL_AFTER_CHUNKS", "HPCDDP_STAGE_KILL_RANK", destlock.MODE_ENV):
-        env.pop(k, None)
+    env.pop(destlock.MODE_ENV, None)
     env.update(extra)
     return env
 

@@ -1,0 +1,420 @@
+"""Staging, phase 1: the plan. Who this rank is in the job, what the source holds, where this
+node's copy goes, what of it is already there, and whether it fits.
+
+Every step that can fail on some ranks ends in :func:`agree`, so all ranks raise the same
+:class:`StageError` or none does; nothing is written before the last check has passed on
+every node (but the destination directory and its lock file). The pure pieces (byte-balanced
+splits, chunking, the auto strategy) are here too: the copy phases take their plan from them.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+
+from hpcddp.data import destlock
+from hpcddp.data import manifest as mf
+
+# Chunk buffers per leader: one being read ahead, one on the wire, two being written and
+# hashed; the pool size bounds the memory a leader holds whatever the data set's size.
+NBUFS = 4
+# allgather keeps NBUFS slots of group_nodes chunks per leader; beyond this it uses bcast
+AUTO_ALLGATHER_MAX_BYTES = 512 << 20
+_LOCK_POLL_S = (0.2, 0.6)          # seconds between tries of a held lock (random in range)
+
+
+class StageError(RuntimeError):
+    """Staging failed; raised on every rank with the same message."""
+
+
+def agree(comm, err: str | None, what: str) -> None:
+    """Every rank learns every rank's error; all raise the same StageError, or none does."""
+    errs = [e for e in comm.allgather(err) if e]
+    if errs:
+        uniq = list(dict.fromkeys(errs))
+        more = f" (and {len(uniq) - 3} more)" if len(uniq) > 3 else ""
+        raise StageError(f"stage: {what}: " + "; ".join(uniq[:3]) + more)
+
+
+# -- pure plans -------------------------------------------------------------------------------
+
+def resolve_dest(template: str, node: int, host: str | None = None) -> str:
+    """The node-local directory for ``node``: ``{node}``/``{host}`` filled, ``$VARS`` expanded.
+
+    Raises ValueError when a variable is unset (``$SLURM_TMPDIR`` outside a Slurm job).
+    """
+    host = host or socket.gethostname()
+    path = template.replace("{node}", str(node)).replace("{host}", host.split(".")[0])
+    path = os.path.expanduser(os.path.expandvars(path))
+    left = re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", path)
+    if left:
+        raise ValueError(f"stage: DEST {template!r} uses ${left[0]}, which is not set on node "
+                         f"{node} ({host}); {'run inside a Slurm job or ' if 'SLURM' in left[0] else ''}"
+                         f"set it, or give a literal path")
+    bad = re.findall(r"\{[^}]*\}", path)
+    if bad:
+        raise ValueError(f"stage: DEST {template!r} has placeholder {bad[0]}; the known ones are "
+                         f"{{node}} (node index) and {{host}} (short host name)")
+    return os.path.abspath(path)
+
+
+def split_by_bytes(sizes: list[int], parts: int) -> list[list[int]]:
+    """Cut items 0..n-1 into ``parts`` contiguous, byte-balanced ranges (some may be empty).
+
+    Item i goes to part ``floor(parts * midpoint_i / total)``, where ``midpoint_i`` is the
+    running byte count at the middle of item i: contiguous, deterministic, and within one
+    item of an even split.
+    """
+    out: list[list[int]] = [[] for _ in range(parts)]
+    total = sum(sizes)
+    run = 0
+    for i, sz in enumerate(sizes):
+        if total > 0:
+            j = int(parts * (run + sz / 2) / total)
+        else:
+            j = int(parts * (i + 0.5) / len(sizes))
+        out[min(parts - 1, j)].append(i)
+        run += sz
+    return out
+
+
+def chunks_of(nbytes: int, chunk: int) -> list[tuple[int, int]]:
+    """(offset, length) pieces of a file of ``nbytes``; a 0-byte file is one empty piece."""
+    if nbytes == 0:
+        return [(0, 0)]
+    return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+
+
+def auto_strategy(group_nodes: int, chunk_bytes: int) -> str:
+    """What ``strategy="auto"`` runs for a group of ``group_nodes`` nodes.
+
+    allgather where its buffers (NBUFS x group_nodes x chunk_bytes per leader) stay within
+    512 MiB, i.e. groups of up to 8 nodes at the default 16 MiB chunk: every leader reads and
+    sends at once instead of one leader at a time, which is faster where the buffers are
+    affordable (docs/data.md has the measurement). bcast beyond: its buffers do not grow with
+    the group.
+    """
+    if NBUFS * group_nodes * chunk_bytes <= AUTO_ALLGATHER_MAX_BYTES:
+        return "allgather"
+    return "bcast"
+
+
+# -- who this rank is -------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    """This rank's place in the staging job (the same strategy and group size on every rank)."""
+    world: object             # the world's mpi4py communicator
+    topo: object              # hpcddp.comm topology: nodes, leaders
+    groups: object            # topo.node_groups(group_nodes)
+    group_nodes: int
+    strategy: str             # never "auto"
+    rank: int
+
+    @property
+    def every(self) -> bool:
+        return self.strategy == "every-rank"
+
+    @property
+    def writer(self) -> bool:
+        """Ranks that touch the destination: node leaders, or every rank for every-rank."""
+        return self.every or self.topo.is_leader
+
+    @property
+    def marks(self) -> bool:
+        """The one rank per node that writes the node's markers (STAGING, manifest, READY)."""
+        return self.writer and (not self.every or self.topo.local_rank == 0)
+
+
+def job_layout(group_nodes: int | None, strategy: str, chunk_bytes: int) -> Job:
+    """Start MPI if needed; the node groups and the strategy "auto" stands for (all ranks)."""
+    import hpcddp.comm as hc
+    rt = hc.init()
+    topo = rt.topology
+    k = min(group_nodes or topo.num_nodes, topo.num_nodes)
+    if strategy == "auto":
+        strategy = auto_strategy(k, chunk_bytes)
+    return Job(rt.world.mpi, topo, topo.node_groups(k), k, strategy, rt.world.mpi.Get_rank())
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """What phase 1 found, for the copy and finalize phases of this rank."""
+    src: str                  # absolute source directory
+    mode: str
+    raw: bytes                # the manifest's bytes, as read from the source
+    manifest: mf.Manifest
+    node_dest: str            # this node's destination directory
+    mine: list                # shard indices this node holds when done
+    have: list                # ... of which already in place and verified
+    todo: list                # ... of which to copy
+    layout: dict              # what READY will say about the copy (see :func:`_layout`)
+    keep: bool                # READY already says all this: leave the markers alone
+    manifest_bytes_read: int  # this rank's reads of the source so far
+    lock_s: float             # seconds taken by the destination lock, waiting included
+
+
+def make_plan(job: Job, src: str, dest: str, mode: str, verify: str, lock_wait: float,
+              held: list) -> Plan:
+    """Phase 1, on all ranks: read the manifest, resolve and lock the destination, find what
+    is missing and check it fits; then mark the copy in progress. Takes the lock into HELD."""
+    raw, nread = _read_manifest(job, src)
+    m = mf.Manifest.from_json(raw, os.path.join(src, mf.MANIFEST))
+    node_dest = _node_destination(job, dest)
+    lock_s = lock_destination(job.world, job.topo, node_dest, held, lock_wait)
+    if mode == "partition":
+        sizes = [s.bytes for s in m.shards]
+        mine = split_by_bytes(sizes, job.groups.nodes)[job.groups.node_in_group]
+    else:
+        mine = list(range(len(m.shards)))
+    have, todo, stale = _what_is_missing(job, node_dest, m, mine, verify, raw)
+    layout = _layout(raw, mode, job.topo, job.groups, mine)
+    keep = job.writer and not todo and not stale and _ready_holds(node_dest, raw, layout, m, mine)
+    _mark_in_progress(job, node_dest, src, mode, keep, stale)
+    return Plan(src, mode, raw, m, node_dest, mine, have, todo, layout, keep, nread, lock_s)
+
+
+def _read_manifest(job: Job, src: str) -> tuple[bytes, int]:
+    """One read per group (every rank's own for every-rank), checked, then shared."""
+    raw = err = None
+    nread = 0
+    gcomm = job.groups.group_comm
+    if job.every or gcomm.Get_rank() == 0:
+        try:
+            with open(os.path.join(src, mf.MANIFEST), "rb") as f:
+                raw = f.read()
+            nread = len(raw)
+            mf.Manifest.from_json(raw, os.path.join(src, mf.MANIFEST))
+        except (OSError, mf.DatasetError) as exc:
+            raw, err = None, (f"cannot read the source manifest: {exc}" if isinstance(exc, OSError)
+                              else str(exc))
+    if not job.every:
+        raw, err = gcomm.bcast((raw, err), root=0)
+    agree(job.world, err, "source")
+    return raw, nread
+
+
+def _node_destination(job: Job, dest: str) -> str:
+    """DEST resolved on this node; refused on all ranks if two nodes would share a directory."""
+    topo = job.topo
+    err, node_dest = None, None
+    try:
+        node_dest = resolve_dest(os.fspath(dest), topo.node, topo.hostname)
+    except ValueError as exc:
+        err = str(exc)
+    agree(job.world, err, "destination")
+    if topo.is_leader:
+        seen = topo.leader_comm.allgather((topo.hostname, os.path.realpath(node_dest), topo.node))
+        where: dict = {}
+        for host, path, node in seen:
+            where.setdefault((host, path), []).append(node)
+        clash = [(h, p, ns) for (h, p), ns in where.items() if len(ns) > 1]
+        if clash:
+            h, p, ns = clash[0]
+            err = (f"nodes {ns} all resolve DEST to {p} on host {h}: they would overwrite each "
+                   f"other; put {{node}} in DEST (e.g. /dev/shm/data-{{node}})")
+    agree(job.world, err, "destination")
+    return node_dest
+
+
+def lock_destination(world, topo, node_dest: str, held: list, wait_s: float) -> float:
+    """Every node leader takes its destination's lock (:mod:`hpcddp.data.destlock`); called
+    by all ranks; returns the seconds it took (waiting included), or raises StageError on all.
+
+    All or none: each round, every leader tries its lock without blocking; if any is held
+    elsewhere, the ones taken this round are released and every rank sleeps and tries again.
+    So two jobs whose nodes share destinations never each hold a part and wait for the rest.
+    Rank 0 says once whom it waits for; past ``wait_s`` seconds (the same round on every rank:
+    the verdict travels in the allgather) every rank raises the same StageError.
+    """
+    import random
+
+    from hpcddp.comm import log
+    t0 = time.monotonic()
+    lock, told = None, False
+    while True:
+        lock, busy, err = _try_lock(topo, node_dest, lock) if topo.is_leader else (None, None, None)
+        expired = time.monotonic() - t0 >= wait_s
+        states = world.allgather((busy, err, expired, topo.node, topo.hostname, node_dest))
+        errs = [s[1] for s in states if s[1]]
+        blocked = [s for s in states if s[0] is not None]
+        if lock is not None and lock.held and (errs or blocked):
+            lock.release()
+        if errs:
+            raise StageError("stage: lock: " + "; ".join(list(dict.fromkeys(errs))[:3]))
+        if not blocked:
+            if lock is not None:
+                held.append(lock)
+            if told and world.Get_rank() == 0:
+                log(f"stage: got the destination lock after {time.monotonic() - t0:.1f} s")
+            return time.monotonic() - t0
+        who = _who_holds(blocked)
+        if any(s[2] for s in states):
+            waited = ("lock_wait=0: refusing instead of waiting" if wait_s == 0 else
+                      f"still held after waiting lock_wait={wait_s:g} s")
+            raise StageError(f"stage: DEST {who}; {waited}: let that job finish (a re-run then "
+                             f"finds its verified shards in place), stage to another directory, "
+                             f"or raise --lock-wait")
+        if not told and world.Get_rank() == 0:
+            log(f"stage: waiting for the destination lock: {who}; waiting up to {wait_s:g} s "
+                f"(--lock-wait)")
+        told = True
+        time.sleep(random.uniform(*_LOCK_POLL_S))
+
+
+def _try_lock(topo, node_dest: str, lock):
+    """A node leader's try, without blocking: (lock, holder record or None, error or None)."""
+    from hpcddp.comm import log
+    busy = err = None
+    try:
+        lock = lock or destlock.DestLock(node_dest)
+        os.makedirs(node_dest, exist_ok=True)
+        busy = lock.try_acquire()
+    except (OSError, ValueError) as exc:
+        err = f"node {topo.node}: locking {os.path.join(node_dest, destlock.LOCK_NAME)}: {exc}"
+    if lock is not None and lock.took_over is not None:
+        log(f"stage: {node_dest}: taking over the lock left by "
+            f"{destlock.describe(lock.took_over)}: {destlock.why_dead(lock.took_over)}")
+        lock.took_over = None
+    return lock, busy, err
+
+
+def _who_holds(blocked: list) -> str:
+    holder, _, _, node, host, path = blocked[0]
+    return (f"{path} on node {node} ({host}) is being staged by another stager: "
+            f"{destlock.describe(holder)} (lock file {os.path.join(path, destlock.LOCK_NAME)})"
+            + (f", and {len(blocked) - 1} more destination(s)" if len(blocked) > 1 else ""))
+
+
+def _what_is_missing(job: Job, node_dest: str, m: mf.Manifest, mine: list, verify: str,
+                     raw: bytes) -> tuple[list, list, list]:
+    """(have, todo, stale) on writers (empty elsewhere); refused on all ranks if the copy
+    does not fit in the free space (stale files' space counted as free)."""
+    topo = job.topo
+    err, have, todo, stale = None, [], [], []
+    if job.writer:
+        try:
+            os.makedirs(node_dest, exist_ok=True)
+            have, todo, stale, reclaim = _inspect(node_dest, m, mine, verify, raw)
+            need = (sum(_blocks(m.shards[s].bytes) for s in todo) + _blocks(len(raw)) + 8192)
+            if job.every:
+                need *= topo.local_size  # every rank of the node holds a partial copy
+            free = _free_bytes(node_dest) + reclaim
+            if need > free:
+                err = (f"not enough space on node {topo.node} ({topo.hostname}) in {node_dest}: "
+                       f"needs {need / 1e9:.3f} GB ({need} bytes; {len(todo)} of "
+                       f"{len(mine)} shards to copy), {free / 1e9:.3f} GB free ({free} bytes); "
+                       f"free space, stage to another directory, or use mode='partition' / more "
+                       f"nodes per group")
+        except OSError as exc:
+            err = f"node {topo.node}: preparing {node_dest}: {exc}"
+    agree(job.world, err, "plan")
+    return have, todo, stale
+
+
+def _mark_in_progress(job: Job, node_dest: str, src: str, mode: str, keep: bool,
+                      stale: list) -> None:
+    """The first write: READY goes, STAGING (who stages, from where) comes, stale files go.
+    A reader that finds STAGING knows the copy is half-made, whatever else is there."""
+    err = None
+    if job.marks and not keep:
+        try:
+            if os.path.exists(os.path.join(node_dest, mf.READY)):
+                os.remove(os.path.join(node_dest, mf.READY))
+            mf.write_atomic(os.path.join(node_dest, mf.STAGING), mf.dumps(
+                dict(destlock.my_record(node_dest), source=src, mode=mode,
+                     strategy=job.strategy)))
+        except OSError as exc:
+            err = f"node {job.topo.node}: {exc}"
+    if job.marks:
+        for n in stale:
+            try:
+                os.remove(os.path.join(node_dest, n))
+            except FileNotFoundError:
+                pass
+    agree(job.world, err, "plan")
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _blocks(n: int) -> int:
+    return ((n + 4095) // 4096) * 4096
+
+
+def _inspect(dest: str, m: mf.Manifest, need: list[int], verify: str, src_raw: bytes
+             ) -> tuple[list[int], list[int], list[str], int]:
+    """What of ``need`` is already in ``dest`` and verified; what to delete; reclaimable bytes."""
+    have, todo, stale = [], [], []
+    reclaim = 0
+    ready = mf.read_marker(dest, mf.READY)
+    trusted = (verify == "auto" and ready is not None and mf.read_marker(dest, mf.STAGING) is None
+               and ready.get("manifest_sha256") == sha256(src_raw))
+    # READY vouches for a shard only while its stat is the one recorded when READY was
+    # written: a shard written, replaced or touched since is hashed again
+    stats = (ready.get("shard_stats") or {}) if trusted else {}
+    ready_ns = mf.marker_mtime_ns(dest, mf.READY)
+    try:
+        names = os.listdir(dest)
+    except FileNotFoundError:
+        names = []
+    for n in names:
+        if n.startswith(".") and mf.PARTIAL_SUFFIX in n:
+            stale.append(n)
+            reclaim += _blocks(os.path.getsize(os.path.join(dest, n)))
+    present = set(names)
+    for s in need:
+        sh = m.shards[s]
+        if sh.name in present:
+            p = os.path.join(dest, sh.name)
+            size = os.path.getsize(p)
+            ok = size == sh.bytes
+            if ok and verify != "size" and not mf.stat_matches(p, stats.get(sh.name), ready_ns):
+                ok = mf.file_matches(p, sh)
+            if ok:
+                have.append(s)
+                continue
+            stale.append(sh.name)
+            reclaim += _blocks(size)
+        todo.append(s)
+    return have, todo, stale, reclaim
+
+
+def _layout(raw: bytes, mode: str, topo, groups, mine: list[int]) -> dict:
+    """What READY says about where this node's copy sits (the markers' comparable part)."""
+    return {"manifest_sha256": sha256(raw), "mode": mode, "node": topo.node,
+            "group": groups.group_rank, "num_groups": groups.group_ws,
+            "nodes_in_group": groups.nodes, "node_in_group": groups.node_in_group,
+            "local_shards": sorted(mine)}
+
+
+def _ready_holds(dest: str, raw: bytes, layout: dict, m: mf.Manifest, mine: list[int]) -> bool:
+    """Does ``dest``'s READY already say what this run would write: same manifest, same
+    layout, every local shard's stat unchanged since? A run with nothing to copy then leaves
+    the markers alone, so a job reading the copy meanwhile never finds it half-staged."""
+    ready = mf.read_marker(dest, mf.READY)
+    if not ready or mf.read_marker(dest, mf.STAGING) is not None:
+        return False
+    if any(ready.get(k) != v for k, v in layout.items()):
+        return False
+    stats = ready.get("shard_stats") or {}
+    ready_ns = mf.marker_mtime_ns(dest, mf.READY)
+    if not all(mf.stat_matches(os.path.join(dest, m.shards[i].name), stats.get(m.shards[i].name),
+                               ready_ns) for i in mine):
+        return False
+    try:
+        with open(os.path.join(dest, mf.MANIFEST), "rb") as f:
+            return f.read() == raw
+    except OSError:
+        return False
+
+
+def sha256(raw: bytes) -> str:
+    import hashlib
+    return hashlib.sha256(raw).hexdigest()
