@@ -101,7 +101,7 @@ def launch(cfg, *, nprocs: int, ranks_per_node=None, timeout: float = 600.0) -> 
     env.setdefault("PYTHONUNBUFFERED", "1")
     argv = [sys.executable, "-m", "hpcddp", "demo", *cfg.to_argv()]
     try:
-        cmd = mpirun_command(nprocs, argv)
+        cmd = mpirun_command(nprocs, argv, fault_tolerant=cfg.elastic)
     except FileNotFoundError as exc:
         print(f"hpcddp demo: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 BACKENDS = ("hpcddp", "gloo")
 FORMATS = ("lmdb", "hdf5")
 DTYPES = ("float32", "float64")
+KILL_PHASES = ("data", "forward", "backward", "optimizer")
 DEFAULT_GLOBAL_BATCH = 60   # divisible by 1..6 ranks: the same global batch at any small size
 
 
@@ -44,6 +45,10 @@ class DemoConfig:
     resume: bool = False
     save_params: str = ""
     results: str = ""
+    elastic: bool = False
+    kill_rank: int | None = None
+    kill_step: int | None = None
+    kill_phase: str = "backward"
 
     def validate(self) -> None:
         """Raise ValueError naming the option, what it must be, and what it got."""
@@ -71,6 +76,21 @@ class DemoConfig:
             bad("--shard-size", "a positive int (bytes per shard)", self.shard_size)
         if self.checkpoint_every < 0:
             bad("--checkpoint-every", "an int >= 0 (0: only at the end)", self.checkpoint_every)
+        if (self.kill_rank is None) != (self.kill_step is None):
+            bad("--kill-rank/--kill-step", "given together", (self.kill_rank, self.kill_step))
+        if self.kill_rank is not None:
+            if not self.elastic:
+                bad("--kill-rank", "used with --elastic (without it a lost rank ends the job)",
+                    self.kill_rank)
+            if self.kill_rank < 0 or self.kill_step < 0:
+                bad("--kill-rank/--kill-step", "ints >= 0", (self.kill_rank, self.kill_step))
+        if self.kill_phase not in KILL_PHASES:
+            bad("--kill-phase", f"one of {list(KILL_PHASES)}", self.kill_phase)
+        if self.elastic and self.backend != "hpcddp":
+            bad("--backend", "hpcddp with --elastic (gloo cannot shrink its group)", self.backend)
+        if self.elastic and self.resume:
+            bad("--resume", "left out with --elastic (elastic runs recover from the survivors)",
+                self.resume)
 
     def global_batch(self, world_size: int) -> int:
         """The global batch for WORLD_SIZE ranks; it must split evenly across them."""
@@ -162,6 +182,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="rank 0 saves the final parameters here (torch.save of the state_dict)")
     g.add_argument("--results", default=d.results, metavar="PATH",
                    help="rank 0 writes the results (accuracy, times, samples/s) here as JSON")
+    g = parser.add_argument_group("elastic mode (docs/elastic.md)")
+    g.add_argument("--elastic", action="store_true",
+                   help="survive lost ranks (hpcddp.elastic over ULFM; `hpcddp demo` then starts "
+                        "mpirun --with-ft ulfm): training goes on on the survivors")
+    g.add_argument("--kill-rank", type=int, default=d.kill_rank, metavar="R",
+                   help="with --elastic: rank R SIGKILLs itself at step --kill-step (a failure "
+                        "to watch the job survive)")
+    g.add_argument("--kill-step", type=int, default=d.kill_step, metavar="S",
+                   help="the global step (from 0) at which --kill-rank dies")
+    g.add_argument("--kill-phase", choices=KILL_PHASES, default=d.kill_phase,
+                   help="where in the step it dies (default: %(default)s, inside a gradient "
+                        "all-reduce)")
 
 
 def from_args(args: argparse.Namespace) -> DemoConfig:

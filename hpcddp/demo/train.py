@@ -117,7 +117,7 @@ def run_job(cfg: DemoConfig) -> dict:
     topo = rt.topology
 
     def say(*parts):
-        if rank == 0:
+        if hpcddp.world().rank == 0:    # the lowest survivor once elastic mode lost rank 0
             hpcddp.rank_print(*parts)
 
     torch.set_num_threads(1)  # ranks share the cores; more threads per rank only contend
@@ -152,22 +152,41 @@ def run_job(cfg: DemoConfig) -> dict:
     hpcddp.init_process_group(cfg.backend)
     train_ds = hdata.open_dataset(staged["train"], decode=decode_png)
     test_ds = hdata.open_dataset(staged["test"], decode=decode_png)
-    sampler = hdata.DistributedSampler(train_ds, num_replicas=size, rank=rank, shuffle=True,
-                                       seed=cfg.seed, drop_last=True)
-    loader = torch.utils.data.DataLoader(
-        train_ds, batch_size=local_batch, sampler=sampler, drop_last=True,
-        num_workers=cfg.workers, persistent_workers=cfg.workers > 0)
+    if cfg.elastic:
+        # the same batches as the plain sampler and loader, dealt again after a lost rank
+        from hpcddp import elastic
+        sampler = elastic.ElasticBatchSampler(len(train_ds), global_batch, seed=cfg.seed)
+        loader = torch.utils.data.DataLoader(
+            train_ds, batch_sampler=sampler, num_workers=cfg.workers,
+            persistent_workers=cfg.workers > 0)
+    else:
+        sampler = hdata.DistributedSampler(train_ds, num_replicas=size, rank=rank,
+                                           shuffle=True, seed=cfg.seed, drop_last=True)
+        loader = torch.utils.data.DataLoader(
+            train_ds, batch_size=local_batch, sampler=sampler, drop_last=True,
+            num_workers=cfg.workers, persistent_workers=cfg.workers > 0)
     steps_per_epoch = len(loader)
     if steps_per_epoch == 0:
         raise ValueError(f"hpcddp demo: {len(train_ds)} training samples make no full global "
                          f"batch of {global_batch}; lower --batch-size or raise --limit")
 
     model = build_model(cfg.seed, dtype)
-    ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs * steps_per_epoch)
     ckpt = _checkpointer(os.path.join(workdir, "checkpoints"), world)
+    state = None
+    if cfg.elastic:
+        if cfg.kill_rank is not None:
+            os.environ["HPCDDP_ELASTIC_KILL"] = f"{cfg.kill_rank}@{cfg.kill_step}:{cfg.kill_phase}"
+
+        def after_recovery(st):   # what the demo itself holds on the old world
+            phases.comm = st.world.mpi
+            ckpt._sync = type(ckpt._sync)(st.world)
+        state = elastic.State(model, opt, sampler, scheduler=sched, on_recovery=[after_recovery])
+        ddp = state.model
+    else:
+        ddp = DDP(model)
 
     start_epoch = 0
     if cfg.resume:
@@ -186,23 +205,27 @@ def run_job(cfg: DemoConfig) -> dict:
     phases.start("train")
     trained = 0
     preempted = False
-    for epoch in range(start_epoch, cfg.epochs):
+    import contextlib
+    epochs = state.epochs(cfg.epochs) if state else range(start_epoch, cfg.epochs)
+    for epoch in epochs:
         t_ep = time.perf_counter()
         sampler.set_epoch(epoch)
-        ddp.train()
+        (state.model if state else ddp).train()
         sums = hdata.MetricSums()
-        for x, y in loader:
-            x = x.to(dtype)
-            out = ddp(x)
-            loss = F.cross_entropy(out, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            with torch.no_grad():
-                sums.add("loss", loss.detach() * len(y), len(y))
-                sums.add("accuracy", (out.argmax(1) == y).sum(), len(y))
+        for x, y in (state.batches(loader) if state else loader):
+            with (state.step() if state else contextlib.nullcontext()):
+                x = x.to(dtype)
+                out = (state.model if state else ddp)(x)
+                loss = F.cross_entropy(out, y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                with torch.no_grad():
+                    sums.add("loss", loss.detach() * len(y), len(y))
+                    sums.add("accuracy", (out.argmax(1) == y).sum(), len(y))
         trained += steps_per_epoch * global_batch
+        comm = hpcddp.world().mpi          # smaller after a lost rank (elastic mode)
         m = sums.reduce(comm)
         dt = time.perf_counter() - t_ep
         say(f"[train] epoch {epoch + 1:>2}/{cfg.epochs}  loss {m['loss']:.4f}  "
@@ -220,6 +243,11 @@ def run_job(cfg: DemoConfig) -> dict:
             break
     train_s = phases.stop()
     ckpt.restore_signals()
+    if state is not None:
+        for line in _elastic_lines(state, size):
+            say(line)
+    world = hpcddp.world()
+    rank, size = world.rank, world.size
 
     # 5. evaluate: every held-out sample exactly once, whatever the number of ranks
     phases.start("evaluate")
@@ -250,6 +278,10 @@ def run_job(cfg: DemoConfig) -> dict:
         "nodes": topo.num_nodes, "backend": cfg.backend, "format": cfg.format,
         "epochs": cfg.epochs, "global_batch": global_batch, "dtype": cfg.dtype,
         "preempted": preempted,
+        "elastic": None if state is None else {
+            "lost_ranks": sorted(r for rec in state.recoveries for r in rec.lost),
+            "recoveries": [{k: v for k, v in rec.__dict__.items() if k != "cause"}
+                           for rec in state.recoveries]},
         "phases_s": dict(phases.times, total=total_s),
         "train_samples_per_s": trained / train_s if trained else 0.0,
         "eval_samples_per_s": evaluated / eval_s if eval_s > 0 else 0.0,
@@ -267,6 +299,23 @@ def run_job(cfg: DemoConfig) -> dict:
     dist.destroy_process_group()
     del np
     return results
+
+
+def _elastic_lines(state, started: int) -> list[str]:
+    """What elastic mode did: the ranks lost, where, and how long recovery took."""
+    if not state.recoveries:
+        return [f"[elastic] no rank lost: {state.size} of {started} ranks to the end"]
+    out = []
+    for rec in state.recoveries:
+        kill = "" if rec.kill_to_step_s is None else \
+            f", kill -> first completed step {rec.kill_to_step_s:.3f} s"
+        first = "" if rec.detect_to_step_s is None else \
+            f", failure seen -> first completed step {rec.detect_to_step_s:.3f} s"
+        out.append(f"[elastic] lost rank{'s' if len(rec.lost) > 1 else ''} "
+                   f"{', '.join(map(str, rec.lost))} at step {rec.step} (epoch {rec.epoch + 1}): "
+                   f"recovery {rec.seconds:.3f} s{first}{kill}; {rec.world_size} rank(s) went on")
+    out.append(f"[elastic] finished on {state.size} of {started} ranks")
+    return out
 
 
 def _prepare(cfg, phases, say, rank, topo, digits_dir, packed) -> dict:
@@ -388,6 +437,13 @@ def run_checked(cfg: DemoConfig) -> int:
         if world.rank == 0:
             hpcddp.log(str(exc))
         return 2
+    if cfg.elastic:
+        from hpcddp.elastic import support_problem
+        problem = support_problem()
+        if problem is not None:
+            if world.rank == 0:
+                hpcddp.log(f"hpcddp demo --elastic: {problem}")
+            return 2
     run_job(cfg)
     return 0
 

@@ -176,6 +176,7 @@ class State:
                 if self._epoch_agreed():
                     return
                 continue
+            self.sampler.start = self.pos    # where the loader's next pass begins
             chunks = self.sampler.chunks(self.pos)
             it = iter(loader)
             for chunk in chunks:
@@ -262,6 +263,7 @@ class State:
         old_ranks = set(self.world.world_ranks)
         comm = self.world.mpi
         old_model, self.model = self.model, None
+        _unhook(old_model)
         del old_model
         while True:
             for c in _comms_to_revoke(self._rt):
@@ -365,6 +367,15 @@ class State:
                 return fut
             model.register_comm_hook(None, dying_allreduce)
         return model
+
+
+def _unhook(ddp) -> None:
+    """Detach a retired DDP's reducer from the parameters: a caller may still hold the old
+    wrapper, and its autograd hooks would fire beside the new one's."""
+    reducer = getattr(ddp, "reducer", None)
+    remove = getattr(reducer, "_remove_autograd_hooks", None)
+    if remove is not None:
+        remove()
 
 
 def _comms_to_revoke(rt):

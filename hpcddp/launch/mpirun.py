@@ -35,11 +35,13 @@ def find_mpirun() -> str:
 
 
 def mpirun_command(nprocs: int, argv: Sequence[str], *, mpirun: str | None = None,
-                   extra: Sequence[str] = ()) -> list[str]:
+                   extra: Sequence[str] = (), fault_tolerant: bool = False) -> list[str]:
     """``mpirun -n NPROCS [flags] ARGV...`` with the flags this machine needs.
 
     Open MPI: ``--oversubscribe`` when NPROCS exceeds the cores (ranks busy-poll, so tests
     at 3 and 4 ranks on 2 cores need it) and ``--allow-run-as-root`` as root (containers).
+    fault_tolerant: the job survives a lost rank (hpcddp.elastic): Open MPI's
+    ``--with-ft ulfm``, MPICH Hydra's ``-disable-auto-cleanup``.
     """
     mpirun = mpirun or find_mpirun()
     cmd = [mpirun, "-n", str(int(nprocs))]
@@ -48,6 +50,10 @@ def mpirun_command(nprocs: int, argv: Sequence[str], *, mpirun: str | None = Non
             cmd.append("--oversubscribe")
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
+        if fault_tolerant:
+            cmd += ["--with-ft", "ulfm"]
+    elif fault_tolerant:
+        cmd.append("-disable-auto-cleanup")
     cmd.extend(extra)
     cmd.extend(argv)
     return cmd
