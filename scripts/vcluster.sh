@@ -218,6 +218,7 @@ do_down() {
     done
     ip link del "$BRIDGE" 2>/dev/null || true
     rm -f "$DIR/nodes" "$DIR/nodes.tmp" "$DIR/hostfile" "$DIR/hosts" "$DIR/config"
+    rmdir "$DIR" 2>/dev/null || true
     log "down"
 }
 
