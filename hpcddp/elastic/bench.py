@@ -1,0 +1,108 @@
+"""What elastic mode costs a healthy run: plain DDP against hpcddp.elastic, in one job.
+
+Run under a fault-tolerant launch (every rank; docs/elastic.md)::
+
+    mpirun --with-ft ulfm -n 2 python -m hpcddp.elastic.bench [--steps 200] [--rounds 5]
+
+Both loops train the same MLP on the same in-memory data with the same global batch; rounds
+alternate (plain, elastic, plain, ...) so that a machine's slow phases hit both. Rank 0
+prints steps/s per round and the median ratio. Both run under ULFM: what is measured is
+the cost of the elastic loop (State, ElasticBatchSampler, step commits, the epoch-end
+agreement), not of ULFM's failure detector, which runs for the whole job either way.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def _data(n, width):
+    import torch
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, width, generator=g)
+    return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def _model(width):
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(width, 512), torch.nn.ReLU(),
+                               torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 2))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpcddp.elastic.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200, help="steps per round (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of each (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=64, help="global batch (default: %(default)s)")
+    args = p.parse_args(argv)
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hpcddp
+    from hpcddp import elastic
+    torch.set_num_threads(1)
+    hpcddp.init()
+    hpcddp.init_process_group()
+    w = hpcddp.world()
+    width = 256
+    ds = _data(args.steps * args.batch, width)
+    local = args.batch // w.size
+
+    def plain():
+        model = _model(width)
+        ddp = DDP(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        s = torch.utils.data.DistributedSampler(ds, w.size, w.rank, shuffle=True, drop_last=True)
+        loader = torch.utils.data.DataLoader(ds, batch_size=local, sampler=s, drop_last=True)
+        w.mpi.Barrier()
+        t = time.perf_counter()
+        for x, y in loader:
+            loss = F.cross_entropy(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        w.mpi.Barrier()
+        return len(loader) / (time.perf_counter() - t)
+
+    def elastic_loop():
+        model = _model(width)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        sampler = elastic.ElasticBatchSampler(len(ds), args.batch)
+        loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler)
+        state = elastic.State(model, opt, sampler, verbose=False)
+        w.mpi.Barrier()
+        t = time.perf_counter()
+        for _ in state.epochs(1):
+            for x, y in state.batches(loader):
+                with state.step():
+                    loss = F.cross_entropy(state.model(x), y)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+        w.mpi.Barrier()
+        return sampler.steps_per_epoch / (time.perf_counter() - t)
+
+    plain()        # warm-up: first DDP construction, allocator
+    rows = []
+    for r in range(args.rounds):
+        a, b = plain(), elastic_loop()
+        rows.append((a, b))
+        if w.rank == 0:
+            print(f"[rank0] round {r + 1}: plain {a:7.1f} steps/s  elastic {b:7.1f} steps/s  "
+                  f"ratio {b / a:.3f}", flush=True)
+    if w.rank == 0:
+        ratio = statistics.median(b / a for a, b in rows)
+        print(f"[rank0] {w.size} ranks, {args.steps} steps of {args.batch} per round, "
+              f"{args.rounds} rounds: elastic/plain steps/s median {ratio:.3f} "
+              f"(cost {100 * (1 - ratio):+.1f}%)", flush=True)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
