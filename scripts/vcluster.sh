@@ -17,8 +17,9 @@
 #   - its own tmpfs at /scratch (node-local disk) and at /dev/shm (shared memory stays in a node);
 #   - /etc/hosts naming every node, bind-mounted in its mount namespace only;
 #   - everything else shared with this machine: the project directory, the venv, /tmp.
-# Optional shaping (`--rate 1gbit --delay 0.1ms`): a netem qdisc on both ends of every veth, so
-# each direction of each node's link is limited; traffic between two nodes crosses two links.
+# Optional shaping (`--rate 1gbit`, `--delay 0.1ms`): a qdisc on both ends of every veth (tbf
+# for a rate alone, netem with a delay), so each direction of each node's link is limited;
+# traffic between two nodes crosses two links.
 #
 # mpirun spans the nodes with its own rsh launcher: `run` exports PRTE_MCA_plm_ssh_agent and
 # OMPI_MCA_plm_rsh_agent = "THIS_SCRIPT rsh", and VCLUSTER_HOSTFILE (one "NODE slots=S" line each):
@@ -95,10 +96,13 @@ do_up() {
             *) die "up: unknown option '$1' (valid: --slots S, --rate R, --delay D)" ;;
         esac
     done
+    [ -z "$rate$delay" ] || check_shaping "$rate" "$delay"
     if [ -s "$DIR/nodes" ] || [ -n "$(holder_pids)" ]; then
         log "a cluster exists: taking it down first"; do_down
     fi
     mkdir -p "$DIR"
+    # A failure half-way takes down what was made (die exits 1 from anywhere below).
+    trap '[ $? = 0 ] || { log "up failed: taking down what it made"; do_down; }' EXIT
     : >"$DIR/nodes.tmp"; : >"$DIR/hostfile"
     { echo "127.0.0.1 localhost"; local i
       for i in $(seq 1 "$n"); do echo "$SUBNET.$i node$i"; done; } >"$DIR/hosts"
@@ -115,6 +119,7 @@ do_up() {
         nsenter -t "$first" -n ping -c1 -W2 "$SUBNET.$i" >/dev/null 2>&1 \
             || die "up: node1 cannot reach node$i ($SUBNET.$i); 'down' cleans up"
     done
+    trap - EXIT
     log "up: $n node(s) on $BRIDGE ($SUBNET.0/24), $slots slot(s) each, scratch /scratch, shaping ${rate:-none}/${delay:-none}"
 }
 
@@ -146,11 +151,45 @@ make_node() {  # make_node NAME ADDR RATE DELAY
         ip addr add $addr/24 dev eth0 &&
         ip link set eth0 up" || die "up: network for $name failed"
     if [ -n "$rate$delay" ]; then
-        local spec="netem${delay:+ delay $delay}${rate:+ rate $rate} limit 10000"
-        command -v tc >/dev/null || die "up: --rate/--delay need 'tc' (iproute2)"
+        local spec; spec=$(qdisc_spec "$rate" "$delay")
         tc qdisc add dev "$VETH$name" root $spec
         nsenter -t "$pid" -n tc qdisc add dev eth0 root $spec
     fi
+}
+
+# The qdisc for a link: netem when there is a delay (it also limits the rate), else tbf. Kernels
+# without sch_netem (some VMs and sandboxes) still have tbf, so --rate alone works there.
+qdisc_spec() {  # qdisc_spec RATE DELAY
+    local rate=$1 delay=$2
+    if [ -n "$delay" ]; then
+        echo "netem delay $delay${rate:+ rate $rate} limit 10000"; return
+    fi
+    local bits; bits=$(rate_bits "$rate")
+    # burst: 1 ms at full rate (at least 64 KiB), what the token bucket may send at once
+    local burst=$((bits / 8 / 1000)); [ "$burst" -lt 65536 ] && burst=65536
+    echo "tbf rate $rate burst $burst latency 50ms"
+}
+
+rate_bits() {  # "1gbit" -> 1000000000
+    [[ "$1" =~ ^([0-9]+)(bit|kbit|mbit|gbit)$ ]] || die "up: --rate '$1': expected NUMBER followed by bit, kbit, mbit or gbit (e.g. 1gbit)"
+    local n=${BASH_REMATCH[1]}
+    case "${BASH_REMATCH[2]}" in
+        bit) echo "$n" ;; kbit) echo $((n * 1000)) ;; mbit) echo $((n * 1000000)) ;; gbit) echo $((n * 1000000000)) ;;
+    esac
+}
+
+check_shaping() {  # fail early, with the reason, before any node exists
+    local rate=$1 delay=$2 probe=vcq$$
+    command -v tc >/dev/null || die "up: --rate/--delay need 'tc' (iproute2)"
+    [ -z "$rate" ] || rate_bits "$rate" >/dev/null
+    ip link add "$probe" type veth peer name "${probe}p" || die "up: cannot make a veth pair"
+    local spec; spec=$(qdisc_spec "$rate" "$delay")
+    if ! tc qdisc add dev "$probe" root $spec 2>/dev/null; then
+        ip link del "$probe"
+        [ -n "$delay" ] && die "up: --delay needs the netem qdisc (kernel module sch_netem), which this kernel lacks; --rate alone uses tbf"
+        die "up: this kernel refuses 'tc qdisc add ... $spec'"
+    fi
+    ip link del "$probe"
 }
 
 # --- run / rsh ----------------------------------------------------------------------------------

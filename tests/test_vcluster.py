@@ -143,6 +143,26 @@ def test_down_cleans_up_after_a_crash():
         vc("down", name=name, subnet=subnet)
 
 
+def test_shaping_puts_a_qdisc_on_both_ends_of_each_link():
+    if os.geteuid() != 0 or not shutil.which("tc"):
+        _unavailable("link shaping needs root and tc (iproute2)")
+    name, subnet = "vcx", "10.79.0"
+    try:
+        res = vc("up", "2", "--rate", "100mbit", name=name, subnet=subnet)
+        if res.returncode != 0:
+            _unavailable(f"scripts/vcluster.sh up 2 --rate 100mbit failed:\n{res.stderr[-2000:]}")
+        for node in ("node1", "node2"):
+            host_side = subprocess.run(["tc", "qdisc", "show", "dev", f"{name}-{node}"],
+                                       capture_output=True, text=True).stdout
+            node_side = vc("run", node, "tc", "qdisc", "show", "dev", "eth0", name=name, subnet=subnet).stdout
+            for side in (host_side, node_side):
+                assert "rate 100Mbit" in side, (node, host_side, node_side)
+        bad = vc("up", "2", "--rate", "fast", name=name, subnet=subnet)
+        assert bad.returncode == 1 and "--rate 'fast': expected NUMBER" in bad.stderr, bad.stderr
+    finally:
+        vc("down", name=name, subnet=subnet)
+
+
 # --- MPI finds the nodes -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("hosts,nodes", [("node1:2,node2:2", 2), ("node1:2,node2:1,node3:1", 3)],
