@@ -4,7 +4,8 @@
     scripts/vcluster.sh run node1 mpirun --host node1:1,node2:1 -n 2 --allow-run-as-root \
         --mca btl tcp,self --mca btl_tcp_if_include eth0 python scripts/vcluster/linkbench.py
 
-Latency: half the round trip of an 8-byte ping-pong (median of 200). Bandwidth: rank 0 sends
+Latency: half the round trip of an 8-byte ping-pong (median of 200), through MPI and through a
+plain TCP socket (tcp_latency_us: the link without MPI's busy polling). Bandwidth: rank 0 sends
 16 MiB messages to rank 1 for about a second and waits for a 1-byte reply (the median of 5
 repetitions of 4 messages); 1 Gbit/s = 125 MB/s. Prints one JSON line on rank 0.
 """
@@ -34,6 +35,26 @@ for i in range(220):
     if i >= 20:
         lat.append((time.perf_counter() - t0) / 2)
 
+# The same ping-pong on a plain blocking TCP socket: the link's own latency, without MPI's
+# busy-polling ranks, which on a loaded machine wait for a CPU time slice (milliseconds).
+if rank == 1:
+    srv = socket.create_server((socket.gethostbyname(hosts[1]), 0))
+    comm.send(srv.getsockname(), dest=0)
+    conn, _ = srv.accept()
+else:
+    conn = socket.create_connection(comm.recv(source=1))
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+tcp_lat = []
+for i in range(220):
+    t0 = time.perf_counter()
+    if rank == 0:
+        conn.sendall(b"x" * 8); conn.recv(8)
+    else:
+        conn.recv(8); conn.sendall(b"x" * 8)
+    if i >= 20:
+        tcp_lat.append((time.perf_counter() - t0) / 2)
+conn.close()
+
 big = np.ones(16 << 20, dtype=np.uint8)
 ack = np.zeros(1, dtype=np.uint8)
 rates = []
@@ -54,5 +75,6 @@ for rep in range(6):
 
 if rank == 0:
     print(json.dumps({"hosts": hosts, "latency_us": round(statistics.median(lat) * 1e6, 1),
+                      "tcp_latency_us": round(statistics.median(tcp_lat) * 1e6, 1),
                       "bandwidth_MBps": round(statistics.median(rates) / 1e6, 1),
                       "bandwidth_Gbps": round(statistics.median(rates) * 8 / 1e9, 3)}), flush=True)
