@@ -1,10 +1,12 @@
 """The jobs/mpirun scripts, run as a user would (bash SCRIPT ARGS), with the pip Open MPI.
 
+The committed scripts are hpcddp.launch.templates' renderings (checked first, no MPI needed).
 Small shapes (2 ranks, a few steps of jobs/train_tiny.py), every run under a timeout. The
 interrupted run gets USR1 the way a scheduler signals a job script; resumed, it must end with
 the weights an uninterrupted run has (computed here, in-process, without MPI).
 multi_node_ddp.sh runs inside a Slurm allocation in tests/test_jobs_slurm.py.
 """
+import difflib
 import json
 import os
 import pathlib
@@ -16,6 +18,8 @@ import time
 
 import pytest
 import torch
+
+from hpcddp.launch import templates as T
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "jobs" / "train_tiny.py")
@@ -34,6 +38,45 @@ def env_for(**extra):
 def run_script(name, *args, cwd, timeout=TIMEOUT, **env):
     return subprocess.run(["bash", str(MPIRUN_DIR / name), *args], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd, env=env_for(**env))
+
+
+REGENERATE = "python -m hpcddp.launch.templates --write-mpirun jobs/mpirun"
+
+
+@pytest.mark.parametrize("name", list(T.MPIRUN_SCRIPTS))
+def test_committed_script_is_the_rendering(name):
+    path = MPIRUN_DIR / T.MPIRUN_SCRIPTS[name].filename
+    assert path.exists(), f"{path} is missing; {REGENERATE}"
+    text = T.render_mpirun(name)
+    if path.read_text() != text:
+        diff = "".join(difflib.unified_diff(path.read_text().splitlines(True),
+                                            text.splitlines(True), str(path), "rendered now"))
+        pytest.fail(f"{path.name} differs from its template:\n{diff}\nEdit "
+                    f"hpcddp/launch/templates.py, then: {REGENERATE}")
+    assert os.access(path, os.X_OK), f"{path} is not executable; {REGENERATE}"
+    check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stderr
+
+
+def test_every_script_is_rendered_or_named_as_hand_written():
+    rendered = {s.filename for s in T.MPIRUN_SCRIPTS.values()}
+    on_disk = {p.name for p in MPIRUN_DIR.glob("*.sh")}
+    assert on_disk - rendered == set(T.MPIRUN_HAND_WRITTEN), \
+        "a script in jobs/mpirun is neither rendered nor listed in MPIRUN_HAND_WRITTEN"
+
+
+def test_the_launcher_block_is_written_once():
+    # the point of rendering: the mpi_cmd function lives in templates.py once, and every
+    # rendered script carries it unchanged
+    source = pathlib.Path(T.__file__).read_text()
+    assert source.count("mpi_cmd() {") == 1
+    for name in T.MPIRUN_SCRIPTS:
+        assert T._MPIRUN_LAUNCHER in T.render_mpirun(name)
+
+
+def test_unknown_script_lists_the_valid_ones():
+    with pytest.raises(T.TemplateError, match="valid scripts: single-node-ddp, multi-node-ddp"):
+        T.render_mpirun("single_node_ddp.sh")
 
 
 def reference_weight(steps, world, lr=0.05, batch=32):

@@ -1,14 +1,20 @@
-"""Slurm job scripts rendered from options: the text behind ``hpcddp submit`` and jobs/slurm/.
+"""Job scripts rendered from templates: the text behind ``hpcddp submit``, jobs/slurm/ and
+jobs/mpirun/.
 
-Pure standard library (no MPI, no torch), pure functions: ``render(template, **options)``
-returns the script text; nothing here runs sbatch. The committed jobs/slurm/*.sbatch files are
-``render(name)`` with the defaults (``python -m hpcddp.launch.templates --write jobs/slurm``
-regenerates them; a test checks they are current), so a copied file and a rendered one are the
-same script.
+Pure standard library (no MPI, no torch), pure functions: nothing here runs sbatch or mpirun.
 
-Templates (``TEMPLATES``): single-node-ddp, multi-node-ddp, stage-then-train, cpu-mpi,
-array-sweep. Options (``OPTIONS``) are the schema: an unknown option, or one that does not apply
-to the template, is rejected with the valid ones listed (submitit's rule).
+* Slurm: ``render(template, **options)`` returns an sbatch script. Templates (``TEMPLATES``):
+  single-node-ddp, multi-node-ddp, stage-then-train, cpu-mpi, array-sweep. Options
+  (``OPTIONS``) are the schema: an unknown option, or one that does not apply to the template,
+  is rejected with the valid ones listed (submitit's rule). The committed jobs/slurm/*.sbatch
+  files are ``render(name)`` with the defaults.
+* mpirun: ``render_mpirun(name)`` returns a bash script for the same five jobs without a
+  scheduler (``MPIRUN_SCRIPTS``); its settings come from the environment when it runs, so it
+  takes no options. The committed jobs/mpirun/*.sh files are these renderings.
+
+``python -m hpcddp.launch.templates --write jobs/slurm --write-mpirun jobs/mpirun`` regenerates
+both; tests check that the committed files are current, so a copied file and a rendered one
+are the same script, and the blocks the scripts share are written once, here.
 """
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["OPTIONS", "TEMPLATES", "TemplateError", "defaults", "render", "write_all"]
+__all__ = ["MPIRUN_SCRIPTS", "OPTIONS", "TEMPLATES", "TemplateError", "defaults", "render",
+           "render_mpirun", "write_all", "write_mpirun"]
 
 
 class TemplateError(ValueError):
@@ -400,12 +407,17 @@ if [ -f "$STAGE_SRC/manifest.json" ]; then
 else
     # Copy to a per-node temporary name, then rename: a half copy is never mistaken for data.
     run_step srun --ntasks-per-node=1 --ntasks="$SLURM_NNODES" bash -c '
+@COPYDIR@fi
+echo "[job] $(date +%T) staged"
+if [ -n "$DATA_ARG" ]; then ARGS+=("$DATA_ARG" "$STAGE_DEST"); fi
+"""
+
+# A directory that is not a packed data set, copied once per node: to a per-node temporary name,
+# then renamed, so a half copy is never mistaken for data (the end of a `bash -c '...'`).
+_COPY_DIR = """\
         set -e; [ -d "$2" ] && exit 0; tmp="$2.partial.$(hostname).$$"
         mkdir -p "$(dirname "$2")"; cp -r "$1" "$tmp"; mv -T "$tmp" "$2" 2>/dev/null || rm -rf "$tmp"
     ' stage "$STAGE_SRC" "$STAGE_DEST"
-fi
-echo "[job] $(date +%T) staged"
-if [ -n "$DATA_ARG" ]; then ARGS+=("$DATA_ARG" "$STAGE_DEST"); fi
 """
 
 _SWEEP = """\
@@ -432,6 +444,7 @@ def render(template: str, **options) -> str:
         "@ARRAYID@": " (array ${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID})" if array else "",
         "@CKPTDIR@": ("$SLURM_SUBMIT_DIR/checkpoints/${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"
                       if array else "$SLURM_SUBMIT_DIR/checkpoints/$SLURM_JOB_ID"),
+        "@COPYDIR@": _COPY_DIR,
     }
     text = _HEADER
     body = ""
@@ -445,22 +458,313 @@ def render(template: str, **options) -> str:
         body += "\n" + _STAGE
     if array:
         body += "\n" + _SWEEP
-    train = _TRAIN
-    text = text + "\n" + body + ("\n" if body else "") + train
+    text = text + "\n" + body + ("\n" if body else "") + _TRAIN
+    return _fill(text, subst)
+
+
+def _fill(text: str, subst: Mapping[str, str]) -> str:
+    """Replace each @KEY@; in order, so a filled-in block may hold later keys."""
     for key, value in subst.items():
         text = text.replace(key, value)
     return text
 
 
+# --- jobs/mpirun: the same scripts for mpirun/mpiexec, without a scheduler -------------------
+#
+# Their settings come from the environment when the script runs (NPROCS=8 bash ...), so they
+# take no options: each is rendered once, into jobs/mpirun/ (a test keeps the files current).
+
+@dataclass(frozen=True)
+class MpirunScript:
+    name: str
+    filename: str
+    about: str       # the comment under the shebang: what it runs and how to start it
+    settings: str    # variable lines under the settings title
+    exports: str     # lines after `set -euo pipefail`
+    steps: str       # what runs, after the launcher block; @TRAIN@ and @COPYDIR@ expand
+
+
+_MPIRUN_SETTINGS = ("# ---- settings (each may also come from the environment) "
+                    "-------------------------------------\n")
+
+# mpi_cmd (one command line for Open MPI and the Hydra family), the signal trap and run_step.
+_MPIRUN_LAUNCHER = """\
+# ---- launcher flags: Open MPI or Hydra (the same block in every jobs/mpirun script) ----------
+# mpi_cmd RANKS_PER_NODE TOTAL  ->  the launcher command line in the array MPI_CMD.
+# (`nproc` counts the cores this process may use; it also obeys OMP_NUM_THREADS, hence env -u.)
+mpi_cmd() {
+    local ppn=$1 total=$2 v
+    case "$("$MPIRUN" --version 2>&1)" in
+    *"Open MPI"*|*OpenRTE*)
+        # --map-by ppr:P:node:PE=C: P ranks per node, C cores each, each rank bound to its
+        # cores: MPI ranks busy-poll while they wait and must not migrate. More ranks than
+        # cores (a laptop, a test box): oversubscribe and do not bind.
+        MPI_CMD=("$MPIRUN" -n "$total")
+        if [ $((ppn * CPUS_PER_RANK)) -le "$(env -u OMP_NUM_THREADS nproc)" ]; then
+            MPI_CMD+=(--map-by "ppr:$ppn:node:PE=$CPUS_PER_RANK" --bind-to core)
+        else
+            MPI_CMD+=(--map-by "ppr:$ppn:node:OVERSUBSCRIBE" --bind-to none)
+        fi
+        if [ -n "${HOSTFILE:-}" ]; then MPI_CMD+=(--hostfile "$HOSTFILE"); fi
+        # Open MPI passes to other nodes only the variables named with -x.
+        for v in PATH LD_LIBRARY_PATH PYTHONPATH VIRTUAL_ENV OMP_NUM_THREADS CKPT_DIR TMPDIR \\
+                 SCRATCH STAGED_DATA HPCDDP_DEBUG HPCDDP_TIMEOUT; do
+            if [ -n "${!v:-}" ]; then MPI_CMD+=(-x "$v"); fi
+        done
+        # Containers often run as root, which Open MPI refuses unless told.
+        if [ "$(id -u)" = 0 ]; then MPI_CMD+=(--allow-run-as-root); fi
+        ;;
+    *"Intel(R) MPI"*)
+        # Intel MPI's Hydra: -ppn ranks per node; pinning by domain of C cores; env passed on.
+        export I_MPI_PIN_DOMAIN=$CPUS_PER_RANK
+        MPI_CMD=("$MPIRUN" -n "$total" -ppn "$ppn")
+        if [ -n "${HOSTFILE:-}" ]; then MPI_CMD+=(-f "$HOSTFILE"); fi
+        ;;
+    *HYDRA*)
+        # MPICH's Hydra (MPICH, MVAPICH): -ppn ranks per node, -bind-to core:C; the whole
+        # environment is passed on by default.
+        MPI_CMD=("$MPIRUN" -n "$total" -ppn "$ppn" -bind-to "core:$CPUS_PER_RANK")
+        if [ -n "${HOSTFILE:-}" ]; then MPI_CMD+=(-f "$HOSTFILE"); fi
+        ;;
+    *)
+        echo "[job] $MPIRUN --version names no MPI this script knows: plain -n $total" >&2
+        MPI_CMD=("$MPIRUN" -n "$total")
+        ;;
+    esac
+}
+
+# Preemption: a scheduler's TERM (or a USR1) is passed to mpirun as USR1, which relays it to
+# every rank (Open MPI does; Hydra's mpiexec forwards USR1 too); the ranks checkpoint to
+# CKPT_DIR and exit (hpcddp.parallel.checkpoint). Run the script again to resume.
+on_signal() {
+    echo "[job] $(date +%T) signal: asking the ranks to checkpoint and exit"
+    if [ -n "${STEP_PID:-}" ]; then kill -USR1 "$STEP_PID" 2>/dev/null || true; wait "$STEP_PID" || true; fi
+    echo "[job] checkpoint in $CKPT_DIR: run this script again to resume"
+    exit 0
+}
+trap on_signal USR1 TERM
+# Steps run in the background and are waited for: bash runs a trap only between commands,
+# and `wait` returns as soon as a signal arrives.
+run_step() {
+    "$@" &
+    STEP_PID=$!
+    wait "$STEP_PID"
+}
+"""
+
+_MPIRUN_TRAIN = """\
+mkdir -p "$CKPT_DIR"
+echo "[job] $(date +%T) ${MPI_CMD[*]} hpcddp run $SCRIPT ${ARGS[*]}"
+run_step "${MPI_CMD[@]}" hpcddp run "$SCRIPT" "${ARGS[@]}"
+echo "[job] $(date +%T) done"
+"""
+
+MPIRUN_SCRIPTS: dict[str, MpirunScript] = {s.name: s for s in (
+    MpirunScript(
+        "single-node-ddp", "single_node_ddp.sh",
+        """\
+# DDP on the GPUs of one machine with mpirun/mpiexec: one MPI rank per GPU, no scheduler.
+#
+# Run:   bash jobs/mpirun/single_node_ddp.sh --epochs 10     (arguments go to the script)
+#        NPROCS=8 SCRIPT=train.py bash jobs/mpirun/single_node_ddp.sh
+# Works with Open MPI's mpirun and the MPICH family's mpiexec (Hydra: MPICH, Intel MPI,
+# MVAPICH). On Slurm prefer jobs/slurm/single_node_ddp.sbatch (srun --mpi=pmix); this script
+# also works inside an allocation (Open MPI's mpirun reads it from Slurm). Guide: docs/jobs.md.
+""",
+        """\
+NPROCS=${NPROCS:-4}                 # ranks: one per GPU
+CPUS_PER_RANK=${CPUS_PER_RANK:-1}   # cores per rank: binding and OMP_NUM_THREADS
+MPIRUN=${MPIRUN:-mpirun}            # mpirun, mpiexec, or a full path
+SCRIPT=${SCRIPT:-train.py}          # the script every rank runs (through `hpcddp run`)
+ARGS=("$@")
+# Checkpoints: somewhere that survives the run (hpcddp.parallel.checkpoint reads CKPT_DIR).
+export CKPT_DIR=${CKPT_DIR:-$PWD/checkpoints/single_node_ddp}
+""",
+        """\
+export OMP_NUM_THREADS=$CPUS_PER_RANK
+""",
+        """\
+# GPUs: every rank sees all GPUs; hpcddp picks local_rank % GPU count.
+mpi_cmd "$NPROCS" "$NPROCS"
+@TRAIN@"""),
+    MpirunScript(
+        "multi-node-ddp", "multi_node_ddp.sh",
+        """\
+# DDP across several machines with mpirun/mpiexec: one MPI rank per GPU.
+#
+# Run:   HOSTFILE=hosts NODES=2 bash jobs/mpirun/multi_node_ddp.sh --epochs 10
+# The hostfile lists one machine per line (Open MPI: "node01 slots=4"; Hydra: "node01:4").
+# Inside a Slurm/PBS/LSF allocation leave HOSTFILE empty: Open MPI's mpirun reads the node
+# list from the scheduler (Hydra: pass the scheduler's node file). The machines need the same
+# software at the same paths and passwordless ssh between them (or a scheduler that starts the
+# remote daemons). On Slurm prefer jobs/slurm/multi_node_ddp.sbatch. Guide: docs/jobs.md.
+""",
+        """\
+NODES=${NODES:-2}
+RANKS_PER_NODE=${RANKS_PER_NODE:-4}   # one per GPU
+CPUS_PER_RANK=${CPUS_PER_RANK:-1}
+HOSTFILE=${HOSTFILE:-}
+MPIRUN=${MPIRUN:-mpirun}
+SCRIPT=${SCRIPT:-train.py}
+ARGS=("$@")
+export CKPT_DIR=${CKPT_DIR:-$PWD/checkpoints/multi_node_ddp}   # on a shared filesystem
+""",
+        """\
+export OMP_NUM_THREADS=$CPUS_PER_RANK
+""",
+        """\
+# Across machines the MPI library picks the network (UCX, libfabric/OFI, TCP). Ranks that hang
+# at start-up on machines with several networks: name the right one, e.g.
+# UCX_NET_DEVICES=mlx5_0:1 (Open MPI + UCX), --mca btl_tcp_if_include eth0 (Open MPI over TCP),
+# FI_PROVIDER=cxi (Slingshot), NCCL_SOCKET_IFNAME=ib0 (NCCL bootstrap).
+mpi_cmd "$RANKS_PER_NODE" $((NODES * RANKS_PER_NODE))
+@TRAIN@"""),
+    MpirunScript(
+        "stage-then-train", "stage_then_train.sh",
+        """\
+# Stage a data set to each machine's local disk, then train from it, with mpirun/mpiexec.
+#
+# Run:   STAGE_SRC=/shared/data HOSTFILE=hosts NODES=2 bash jobs/mpirun/stage_then_train.sh
+# Step 1 puts a copy of STAGE_SRC in STAGE_DEST on every machine (a packed data set goes
+# through `hpcddp stage`: read once, broadcast over MPI); step 2 trains from the local copy,
+# which it gets as --data DEST (DATA_ARG). Hostfile and allocations: see multi_node_ddp.sh.
+# On Slurm prefer jobs/slurm/stage_then_train.sbatch. Guide: docs/jobs.md.
+""",
+        """\
+NODES=${NODES:-1}
+RANKS_PER_NODE=${RANKS_PER_NODE:-4}
+CPUS_PER_RANK=${CPUS_PER_RANK:-1}
+HOSTFILE=${HOSTFILE:-}
+MPIRUN=${MPIRUN:-mpirun}
+SCRIPT=${SCRIPT:-train.py}
+ARGS=("$@")
+STAGE_SRC=${STAGE_SRC:-$PWD/data}
+# Node-local scratch: $SLURM_TMPDIR / $TMPDIR where the scheduler makes one, else /tmp.
+# Same path on every machine. /dev/shm is faster but is RAM.
+SCRATCH=${SCRATCH:-${SLURM_TMPDIR:-${TMPDIR:-/tmp}/hpcddp-$(id -un)}}
+STAGE_DEST=${STAGE_DEST:-$SCRATCH/data}
+DATA_ARG=${DATA_ARG---data}          # the script's option for the staged path ("" for none)
+export CKPT_DIR=${CKPT_DIR:-$PWD/checkpoints/stage_then_train}
+""",
+        """\
+export OMP_NUM_THREADS=$CPUS_PER_RANK SCRATCH STAGED_DATA=$STAGE_DEST
+""",
+        """\
+# Stage: one rank per machine. A packed data set (manifest.json, from `hpcddp pack`) goes
+# through `hpcddp stage` (read once per node group, broadcast, verified, READY marker); any
+# other directory is copied per machine, to a temporary name and then renamed.
+mpi_cmd 1 "$NODES"
+echo "[job] $(date +%T) staging $STAGE_SRC -> $STAGE_DEST on $NODES machine(s)"
+if [ -f "$STAGE_SRC/manifest.json" ]; then
+    run_step "${MPI_CMD[@]}" hpcddp stage --no-progress "$STAGE_SRC" "$STAGE_DEST"
+else
+    run_step "${MPI_CMD[@]}" bash -c '
+@COPYDIR@fi
+if [ -n "$DATA_ARG" ]; then ARGS+=("$DATA_ARG" "$STAGE_DEST"); fi
+
+mpi_cmd "$RANKS_PER_NODE" $((NODES * RANKS_PER_NODE))
+@TRAIN@"""),
+    MpirunScript(
+        "cpu-mpi", "cpu_mpi.sh",
+        """\
+# A CPU-only MPI job with mpirun/mpiexec: one rank per core, each bound to its core.
+#
+# Run:   bash jobs/mpirun/cpu_mpi.sh --epochs 3          (RANKS_PER_NODE defaults to nproc)
+#        HOSTFILE=hosts NODES=4 bash jobs/mpirun/cpu_mpi.sh
+# On Slurm prefer jobs/slurm/cpu_mpi.sbatch. Guide: docs/jobs.md.
+""",
+        """\
+NODES=${NODES:-1}
+RANKS_PER_NODE=${RANKS_PER_NODE:-$(env -u OMP_NUM_THREADS nproc)}
+CPUS_PER_RANK=${CPUS_PER_RANK:-1}   # >1 for ranks that use threads (OMP_NUM_THREADS follows)
+HOSTFILE=${HOSTFILE:-}
+MPIRUN=${MPIRUN:-mpirun}
+SCRIPT=${SCRIPT:-train.py}
+ARGS=("$@")
+export CKPT_DIR=${CKPT_DIR:-$PWD/checkpoints/cpu_mpi}
+""",
+        """\
+# One thread per core a rank owns: otherwise every rank starts a thread per core of the node.
+export OMP_NUM_THREADS=$CPUS_PER_RANK
+""",
+        """\
+mpi_cmd "$RANKS_PER_NODE" $((NODES * RANKS_PER_NODE))
+@TRAIN@"""),
+    MpirunScript(
+        "array-sweep", "array_sweep.sh",
+        """\
+# A hyper-parameter sweep with mpirun/mpiexec: one small run per value, one after another.
+#
+# Run:   SWEEP_NAME=lr SWEEP_VALUES="0.1 0.01 0.001" bash jobs/mpirun/array_sweep.sh --epochs 3
+# Without a scheduler the runs go in sequence on this machine; each has its own checkpoint
+# directory, so a re-run skips nothing but resumes each run where it stopped. On Slurm use
+# jobs/slurm/array_sweep.sbatch: a job array runs them side by side. Guide: docs/jobs.md.
+""",
+        """\
+NPROCS=${NPROCS:-1}                  # ranks per run
+CPUS_PER_RANK=${CPUS_PER_RANK:-1}
+MPIRUN=${MPIRUN:-mpirun}
+SCRIPT=${SCRIPT:-train.py}
+ARGS=("$@")
+SWEEP_NAME=${SWEEP_NAME:-lr}
+read -r -a SWEEP_VALUES <<<"${SWEEP_VALUES:-0.1 0.03 0.01 0.003}"
+CKPT_ROOT=${CKPT_ROOT:-$PWD/checkpoints/array_sweep}
+""",
+        """\
+export OMP_NUM_THREADS=$CPUS_PER_RANK CKPT_DIR=$CKPT_ROOT
+""",
+        """\
+mpi_cmd "$NPROCS" "$NPROCS"
+for i in "${!SWEEP_VALUES[@]}"; do
+    value=${SWEEP_VALUES[$i]}
+    export CKPT_DIR=$CKPT_ROOT/$i
+    mkdir -p "$CKPT_DIR"
+    echo "[job] $(date +%T) run $i: --$SWEEP_NAME $value"
+    run_step "${MPI_CMD[@]}" hpcddp run "$SCRIPT" "${ARGS[@]}" "--$SWEEP_NAME" "$value"
+done
+echo "[job] $(date +%T) done: ${#SWEEP_VALUES[@]} runs"
+"""),
+
+)}
+
+# Kept by hand: a PBS Pro + Cray PALS example with nothing in common with the others (PALS's
+# mpiexec, no launcher detection), and no PBS here to test a rendering against.
+MPIRUN_HAND_WRITTEN = ("pbs_pals.sh",)
+
+
+def render_mpirun(name: str) -> str:
+    """The jobs/mpirun script NAME (see ``MPIRUN_SCRIPTS``): deterministic, no options."""
+    if name not in MPIRUN_SCRIPTS:
+        raise TemplateError(f"render_mpirun: unknown script {name!r}; valid scripts: "
+                            f"{', '.join(MPIRUN_SCRIPTS)}")
+    s = MPIRUN_SCRIPTS[name]
+    text = ("#!/bin/bash\n" + s.about + "\n" + _MPIRUN_SETTINGS + s.settings + "\n"
+            + "set -euo pipefail\n" + s.exports + "\n" + _MPIRUN_LAUNCHER + "\n" + s.steps)
+    return _fill(text, {"@TRAIN@": _MPIRUN_TRAIN, "@COPYDIR@": _COPY_DIR})
+
+
+# --- the committed files -----------------------------------------------------------------------
+
 def write_all(directory: str) -> list[str]:
-    """Write every template, rendered with its defaults, into DIRECTORY; return the paths."""
+    """Write every Slurm template, rendered with its defaults, into DIRECTORY; return the paths."""
+    return _write(directory, {t.filename: render(t.name) for t in TEMPLATES.values()}, 0o644)
+
+
+def write_mpirun(directory: str) -> list[str]:
+    """Write every jobs/mpirun script (executable) into DIRECTORY; return the paths."""
+    return _write(directory, {s.filename: render_mpirun(s.name)
+                              for s in MPIRUN_SCRIPTS.values()}, 0o755)
+
+
+def _write(directory: str, files: Mapping[str, str], mode: int) -> list[str]:
     import os
     os.makedirs(directory, exist_ok=True)
     paths = []
-    for t in TEMPLATES.values():
-        path = os.path.join(directory, t.filename)
+    for name, text in files.items():
+        path = os.path.join(directory, name)
         with open(path, "w") as f:
-            f.write(render(t.name))
+            f.write(text)
+        os.chmod(path, mode)
         paths.append(path)
     return paths
 
@@ -468,10 +772,16 @@ def write_all(directory: str) -> list[str]:
 def _main(argv=None) -> int:
     import argparse
     p = argparse.ArgumentParser(prog="python -m hpcddp.launch.templates",
-                                description="Regenerate jobs/slurm/*.sbatch from the templates.")
-    p.add_argument("--write", metavar="DIR", required=True, help="e.g. jobs/slurm")
+                                description="Regenerate the committed job scripts from the "
+                                            "templates.")
+    p.add_argument("--write", metavar="DIR", help="the Slurm scripts, e.g. jobs/slurm")
+    p.add_argument("--write-mpirun", metavar="DIR", help="the mpirun scripts, e.g. jobs/mpirun")
     args = p.parse_args(argv)
-    for path in write_all(args.write):
+    if not (args.write or args.write_mpirun):
+        p.error("nothing to write: give --write DIR and/or --write-mpirun DIR")
+    paths = (write_all(args.write) if args.write else []) + \
+        (write_mpirun(args.write_mpirun) if args.write_mpirun else [])
+    for path in paths:
         print(path)
     return 0
 
