@@ -114,7 +114,7 @@ do_up() {
     for i in $(seq 1 "$n"); do echo "node$i slots=$slots" >>"$DIR/hostfile"; done
     printf 'nodes=%s slots=%s rate=%s delay=%s\n' "$n" "$slots" "${rate:-none}" "${delay:-none}" >"$DIR/config"
     # node1 must reach every node before anyone relies on it (where ping exists).
-    local first; first=$(node_pid node1)
+    local first; first=$(node_pid node1) || exit 1
     command -v ping >/dev/null && for i in $(seq 1 "$n"); do
         nsenter -t "$first" -n ping -c1 -W2 "$SUBNET.$i" >/dev/null 2>&1 \
             || die "up: node1 cannot reach node$i ($SUBNET.$i); 'down' cleans up"
@@ -194,19 +194,15 @@ check_shaping() {  # fail early, with the reason, before any node exists
 
 # --- run / rsh ----------------------------------------------------------------------------------
 
-enter() {  # enter NODE: the nsenter prefix for NODE
-    local pid; pid=$(node_pid "$1")
-    echo nsenter -t "$pid" -n -u -m
-}
 
 do_run() {
     [ $# -ge 2 ] || die "run: expected NODE CMD..., got '$*'"
-    local node=$1 pfx; shift
-    pfx=$(enter "$node")
+    local node=$1 pid; shift
+    pid=$(node_pid "$node") || exit 1
     export PRTE_MCA_plm_ssh_agent="$SELF rsh" OMPI_MCA_plm_rsh_agent="$SELF rsh"
     export VCLUSTER_HOSTFILE="$DIR/hostfile" VCLUSTER_NODE="$node"
     # --wd: entering a mount namespace resets the cwd to its root; keep the caller's.
-    exec $pfx --wd="$PWD" -- "$@"
+    exec nsenter -t "$pid" -n -u -m --wd="$PWD" -- "$@"
 }
 
 do_rsh() {
@@ -214,9 +210,9 @@ do_rsh() {
     # (not mpirun's: PRTE/PMIx variables of the launching side must not leak into the daemon).
     # PATH is kept, as a shared home's shell profile would give the venv on every node.
     [ $# -ge 2 ] || die "rsh: expected NODE CMDLINE..., got '$*'"
-    local node=$1 pfx; shift
-    pfx=$(enter "$node")
-    exec $pfx --wd="${HOME:-/}" -- env -i HOME="${HOME:-/root}" USER="${USER:-root}" \
+    local node=$1 pid; shift
+    pid=$(node_pid "$node") || exit 1
+    exec nsenter -t "$pid" -n -u -m --wd="${HOME:-/}" -- env -i HOME="${HOME:-/root}" USER="${USER:-root}" \
         PATH="$PATH" ${LD_LIBRARY_PATH:+LD_LIBRARY_PATH="$LD_LIBRARY_PATH"} \
         LANG=C.UTF-8 SHELL=/bin/sh VCLUSTER_NODE="$node" \
         PRTE_MCA_plm_ssh_agent="$SELF rsh" OMPI_MCA_plm_rsh_agent="$SELF rsh" \

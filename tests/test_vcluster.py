@@ -81,7 +81,8 @@ def mpirun(hosts: str, argv, *, timeout=150, btl="tcp,self,sm", extra=()) -> sub
            # c10d cannot name the peers of rank 0's TCPStore (no reverse DNS in the nodes): noise
            "-x", "TORCH_CPP_LOG_LEVEL=ERROR", *extra, *argv]
     try:
-        return vc("run", "node1", "timeout", "-s", "KILL", str(timeout), *cmd, timeout=timeout + 30)
+        # TERM first: mpirun then stops its daemons and ranks on the other nodes too
+        return vc("run", "node1", "timeout", "-k", "10", str(timeout), *cmd, timeout=timeout + 30)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"mpirun outlived {timeout + 30} s: {' '.join(cmd)}\n{e.stdout}\n{e.stderr}")
 
