@@ -20,6 +20,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from hpcddp import settings
+
 BACKEND_NAME = "hpcddp"  # the name users pass to init_process_group
 
 _registered = False
@@ -94,7 +96,7 @@ def register() -> None:
 
 
 def _store_address(world) -> str:
-    override = os.environ.get("HPCDDP_STORE_ADDR")
+    override = settings.get().store_addr
     if override:
         return override
     hosts = world.mpi.allgather(socket.gethostname())

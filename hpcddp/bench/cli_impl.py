@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from hpcddp.bench import report
+from hpcddp import settings
 
 
 def _split(text, what: str, valid) -> list[str]:
@@ -116,8 +117,7 @@ def _comm(args) -> int:
     sizes = protocol.parse_sizes(args.sizes) if args.sizes else list(protocol.DEFAULT_SIZES)
     rounds = args.rounds or 9
     result = comm.run(ops, sizes, impls, rounds, args.batch_ms / 1e3,
-                      progress=lambda s: log(f"bench comm: {s}") if os.environ.get(
-                          "HPCDDP_BENCH_PROGRESS", "1") != "0" else None)
+                      progress=lambda s: log(f"bench comm: {s}") if settings.get().bench_progress else None)
     _shutdown()
     if result is None:
         return 0

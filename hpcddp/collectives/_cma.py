@@ -39,6 +39,7 @@ import weakref
 
 import numpy as np
 
+from hpcddp import settings
 from hpcddp.collectives import _node
 from hpcddp.comm._mpi import MPI
 
@@ -49,7 +50,7 @@ MIN_BYTES = 1 << 20
 # copy is as fast as two half copies (a tie: MPI kept) though the split wins 2x out of cache.
 PROBE_BYTES = 24 << 20
 ENV_MODE = "HPCDDP_CMA"
-MODE = _node.read_mode(ENV_MODE)
+MODE = settings.get().cma
 ALIGN = 64           # parts start on cache lines: no line is written by two copies at once
 
 

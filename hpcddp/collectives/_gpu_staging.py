@@ -28,27 +28,15 @@ default 1 GiB).
 """
 from __future__ import annotations
 
-import os
 import threading
 from typing import Callable
 
 import torch
 
+from hpcddp import settings
+
 _ALIGN = 256          # bytes: host twins start on this boundary (any dtype view is aligned)
 _MIN_BLOCK = 1 << 16  # pinned blocks are powers of two from 64 KiB
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a whole number of bytes") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r}: expected a non-negative number of bytes")
-    return value
 
 
 def chunk_schedule(numel: int, itemsize: int, chunk_bytes: int, pipeline_bytes: int
@@ -97,7 +85,7 @@ class PinnedPool:
 
     def __init__(self, pin: bool | None = None, max_cached_bytes: int | None = None):
         self.pin = pin
-        self.max_cached_bytes = (_env_int("HPCDDP_PINNED_CACHE_BYTES", 1 << 30)
+        self.max_cached_bytes = (settings.get().pinned_cache_bytes
                                  if max_cached_bytes is None else max_cached_bytes)
         self._free: dict[int, list[HostBuffer]] = {}
         self._cached = 0
@@ -356,9 +344,9 @@ class Staging:
                  depth: int = 3):
         self.pool = pool or PinnedPool()
         self._copier = copier
-        self.chunk_bytes = (_env_int("HPCDDP_STAGING_CHUNK_BYTES", 4 << 20)
+        self.chunk_bytes = (settings.get().staging_chunk_bytes
                             if chunk_bytes is None else chunk_bytes)
-        self.pipeline_bytes = (_env_int("HPCDDP_STAGING_PIPELINE_BYTES", 8 << 20)
+        self.pipeline_bytes = (settings.get().staging_pipeline_bytes
                                if pipeline_bytes is None else pipeline_bytes)
         if depth < 2:
             raise ValueError(f"Staging: depth must be >= 2 (slots in flight), got {depth}")

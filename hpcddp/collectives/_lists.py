@@ -16,13 +16,13 @@ path is used; above, each rank would post 2(n-1) messages per op and the flat co
 """
 from __future__ import annotations
 
-import os
 from array import array
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpcddp import settings
 from hpcddp.collectives import _large
 from hpcddp.collectives import _plans
 from hpcddp.collectives._common import as_array, finish_or_work
@@ -30,7 +30,7 @@ from hpcddp.comm._mpi import MPI
 
 TAG = 7
 SEQUENCES = (list, tuple)   # what a tensor list may be (hot-path test: type(x) in SEQUENCES)
-_MAX_RANKS = int(os.environ.get("HPCDDP_LIST_P2P_MAX_RANKS", "8"))
+_MAX_RANKS = settings.get().list_p2p_max_ranks
 _side: dict = {}   # Communicator.uid -> mpi4py Intracomm (a Dup of the group's)
 _RedOpType = dist.ReduceOp.RedOpType
 

@@ -4,26 +4,13 @@ switch, and each only where a race against MPI says it is faster."""
 from __future__ import annotations
 
 import math
-import os
 import time
 
 from hpcddp.comm._mpi import MPI
 
-MODES = ("0", "auto", "force")
 # What each group's race decided, in order: {"path", "group", "ours_s", "mpi_s", "kept"}.
 # Benchmarks report it (a job where MPI won runs at MPI's speed: that must show).
 decisions: list[dict] = []
-
-
-def read_mode(var: str, env=os.environ) -> str:
-    """Environment variable VAR: "0" never; "force" wherever possible (tests); "auto" (unset,
-    or "1") where the race against MPI says so. Anything else is refused, at import, before
-    any message: a typo must not silently leave a path on (or off) on some ranks."""
-    raw = env.get(var, "auto").strip().lower() or "auto"
-    mode = "auto" if raw == "1" else raw
-    if mode not in MODES:
-        raise ValueError(f"{var}={env.get(var)!r}: expected 0, 1, auto or force")
-    return mode
 
 
 def per_group(cache, comm, make):

@@ -24,9 +24,10 @@ from __future__ import annotations
 import math
 import weakref
 
+from hpcddp import settings
 from hpcddp.comm import startup as _rt
 from hpcddp.comm._mpi import MPI
-from hpcddp.collectives import _large, _node
+from hpcddp.collectives import _large
 from hpcddp.diagnostics import recorder as _rec
 from hpcddp.diagnostics.mismatch import AGREE_BYTES, checked_start
 from hpcddp.collectives._common import IN_PLACE, record, record_end
@@ -250,7 +251,7 @@ def _load_c():
     return _fastpath, ""
 
 
-MODE = _node.read_mode(ENV_MODE)
+MODE = settings.get().fastpath
 if MODE == "0":
     _c, WHY_PYTHON = None, f"{ENV_MODE}=0"
 else:

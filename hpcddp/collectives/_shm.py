@@ -47,6 +47,7 @@ import weakref
 import numpy as np
 import torch
 
+from hpcddp import settings
 from hpcddp.collectives import _node
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.ops import RedOpType
@@ -61,7 +62,7 @@ KINDS = (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
 
 PROBE_BYTES = 8 << 20
 ENV_MODE = "HPCDDP_SHM_ALLREDUCE"
-MODE = _node.read_mode(ENV_MODE)
+MODE = settings.get().shm_allreduce
 
 _arenas: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicator -> Arena|None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+from hpcddp import settings
 from hpcddp.collectives._common import finish_or_work, record, record_end, resolve
 from hpcddp.comm._mpi import MPI
 from hpcddp.diagnostics import recorder as _rec
@@ -57,14 +58,11 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) ->
     comes, the others raise after TIMEOUT + 2 s saying so. Called by every member of the group.
     Not checked by HPCDDP_DEBUG=detail (the check is itself a collective that would wait).
     """
-    import os
     comm = resolve(group, "monitored_barrier")
     if timeout is None and comm.timeout:
         timeout = comm.timeout          # the group's torch timeout= (init_process_group/new_group)
     if timeout is None:
-        from hpcddp.diagnostics.config import DEFAULT_TIMEOUT, timeout_from
-        raw = os.environ.get("HPCDDP_TIMEOUT", "").strip()
-        timeout = (timeout_from(raw) if raw else None) or DEFAULT_TIMEOUT
+        timeout = settings.get().timeout or settings.DEFAULT_TIMEOUT
     if isinstance(timeout, timedelta):
         timeout = timeout.total_seconds()
     entry = _rec.start(comm, "monitored_barrier")

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 import queue
 import threading
 
 import torch
 import torch.distributed as dist
 
+from hpcddp import settings
 from hpcddp.comm._mpi import MPI
 from hpcddp.diagnostics import recorder as _rec
 
-_FUTURE_MODE = os.environ.get("HPCDDP_FUTURE", "wait")
+_FUTURE_MODE = settings.get().future
 # torch may hold only the C++ side of a Work returned to it (DDP's reducer); keep the Python
 # side of recent Works alive so its overrides (get_future, wait) stay reachable.
 _keepalive: collections.deque = collections.deque(maxlen=1024)

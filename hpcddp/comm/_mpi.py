@@ -9,14 +9,15 @@ We do not defer MPI_Init past this import (mpi4py's ``rc.initialize = False``): 
 later does ``from mpi4py import MPI`` (the user's script, pytest-mpi) would get an MPI that was
 never started and abort on its first call.
 """
-import os
 import sys
 
 import mpi4py
 
+from hpcddp import settings
+
 STARTED_HERE = "mpi4py.MPI" not in sys.modules
 if STARTED_HERE:
-    mpi4py.rc.thread_level = os.environ.get("HPCDDP_THREAD_LEVEL", "multiple")
+    mpi4py.rc.thread_level = settings.get().thread_level
 
 from mpi4py import MPI  # noqa: E402
 

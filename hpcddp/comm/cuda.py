@@ -41,9 +41,11 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from hpcddp import settings
+
 ENV_OVERRIDE = "HPCDDP_CUDA_AWARE"
 ENV_SMOKE = "HPCDDP_CUDA_SMOKE"
-_OVERRIDE_VALUES = {"0": False, "1": True, "": None, "auto": None}
+_OVERRIDE_VALUES = {"0": False, "1": True, "auto": None}
 
 # MPICH's mpi.h (4.x): MPIX_GPU_query_support(int gpu_type, int *is_supported)
 _MPICH_GPU_TYPE = {"cuda": 0, "ze": 1, "rocm": 2}
@@ -198,13 +200,7 @@ def run_ompi_info(libmpi: str | None = None, timeout: float = 30) -> str | None:
 
 def parse_override(value: str | None) -> bool | None:
     """HPCDDP_CUDA_AWARE -> True/False, or None (detect). Raise on anything else."""
-    if value is None:
-        return None
-    key = value.strip().lower()
-    if key not in _OVERRIDE_VALUES:
-        raise ValueError(f"{ENV_OVERRIDE}={value!r}: expected one of 0, 1 or auto (unset: "
-                         f"auto-detect); see docs/gpu.md")
-    return _OVERRIDE_VALUES[key]
+    return _OVERRIDE_VALUES[settings.read({ENV_OVERRIDE: value or ""}).cuda_aware]
 
 
 def _gpu_kind() -> str:
@@ -234,9 +230,10 @@ def detect(*, env: Mapping[str, str] | None = None, library_version: str | None 
     """
     env = os.environ if env is None else env
     gpu = gpu or _gpu_kind()
+    declared = settings.get() if env is os.environ else settings.read(env)
     if smoke is None:
-        smoke = env.get(ENV_SMOKE, "0").strip() == "1"
-    forced = parse_override(env.get(ENV_OVERRIDE))
+        smoke = declared.cuda_smoke
+    forced = _OVERRIDE_VALUES[declared.cuda_aware]
     if library_version is None:
         from hpcddp.comm._mpi import MPI
         library_version = MPI.Get_library_version()

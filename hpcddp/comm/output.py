@@ -5,7 +5,6 @@ environment until :func:`hpcddp.comm.init` has run.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 _rank: int | None = None
@@ -47,4 +46,5 @@ def rank_print(*parts, flush: bool = True) -> None:
 
 
 def debug_enabled() -> bool:
-    return os.environ.get("HPCDDP_DEBUG", "").lower() not in ("", "0", "off")
+    from hpcddp import settings
+    return bool(settings.get().debug)

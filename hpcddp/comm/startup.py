@@ -13,6 +13,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from hpcddp import settings
 from hpcddp.comm import output as _log
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import Communicator
@@ -70,10 +71,10 @@ def init(*, abort_on_exception: bool = False,
     global _runtime
     with _lock:
         if _runtime is None:
-            _runtime = _start(os.environ.get("HPCDDP_THREAD_LEVEL", "multiple"))
+            _runtime = _start(settings.get().thread_level)
         rt = _runtime
-    if timeout is not None:
-        os.environ["HPCDDP_TIMEOUT"] = str(getattr(timeout, "total_seconds", lambda: timeout)())
+    if timeout is not None:   # what every later reader of HPCDDP_TIMEOUT sees
+        settings.set_from_init(timeout=settings.timeout_from(timeout))
     # the watchdog (stall reports): started by the first init on every rank (a collective),
     # later calls only change its timeout
     from hpcddp.diagnostics import start_diagnostics

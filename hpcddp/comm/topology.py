@@ -15,9 +15,9 @@ Building these is collective over the parent communicator: every rank calls
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
+from hpcddp import settings
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import Communicator
 
@@ -25,18 +25,8 @@ ENV_RANKS_PER_NODE = "HPCDDP_RANKS_PER_NODE"
 
 
 def emulated_ranks_per_node(env=None) -> int | None:
-    env = os.environ if env is None else env
-    raw = env.get(ENV_RANKS_PER_NODE, "").strip()
-    if not raw:
-        return None
-    try:
-        k = int(raw)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise ValueError(f"{ENV_RANKS_PER_NODE}={raw!r}: expected a positive integer "
-                         f"(ranks per emulated node)")
-    return k
+    """HPCDDP_RANKS_PER_NODE: ranks per emulated node, or None (nodes are real hosts)."""
+    return (settings.get() if env is None else settings.read(env)).ranks_per_node
 
 
 @dataclass

@@ -32,14 +32,13 @@ def node_position() -> tuple[int, int] | None:
     rt = _runtime()
     if rt is not None:
         return rt.topology.local_rank, rt.topology.local_size
-    import os
+    from hpcddp import settings
     from hpcddp.launch import detect
     info = detect()
     if info is None:
         return None
-    k = os.environ.get("HPCDDP_RANKS_PER_NODE", "").strip()
-    if k.isdigit() and int(k) > 0:
-        k = int(k)
+    k = settings.get().ranks_per_node
+    if k:
         first = (info.rank // k) * k
         return info.rank - first, min(k, info.size - first)
     if info.local_rank is None or info.local_size is None:

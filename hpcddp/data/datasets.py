@@ -32,6 +32,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from hpcddp import settings
+
 from hpcddp.data import manifest as mf
 from hpcddp.data.packing import lmdb_key
 
@@ -41,13 +43,7 @@ CHECK_ENV = "HPCDDP_DATA_CHECK"
 
 def check_default(env=None) -> bool:
     """``HPCDDP_DATA_CHECK``: 1 (default) checks each shard's CRC-32C on first open, 0 skips."""
-    value = (env if env is not None else os.environ).get(CHECK_ENV, "").strip().lower()
-    if value in ("", "1", "on", "yes", "true"):
-        return True
-    if value in ("0", "off", "no", "false"):
-        return False
-    raise ValueError(f"{CHECK_ENV}={value!r}: expected 1 (check each shard's CRC-32C on its "
-                     f"first open in a process: the default) or 0 (skip it)")
+    return (settings.get() if env is None else settings.read(env)).data_check
 
 
 def _decode_default(encoding: str):

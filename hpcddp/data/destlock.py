@@ -37,6 +37,8 @@ import json
 import os
 import socket
 
+from hpcddp import settings
+
 LOCK_NAME = ".hpcddp-stage.lock"
 MODES = ("flock", "excl")
 MODE_ENV = "HPCDDP_STAGE_LOCK"
@@ -49,11 +51,7 @@ _JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "PMIX_NAMESPACE", "OMPI_M
 
 def lock_mode(env=None) -> str:
     """The primitive to use: ``flock`` (default) or ``excl``, from ``HPCDDP_STAGE_LOCK``."""
-    value = (env if env is not None else os.environ).get(MODE_ENV, "").strip().lower() or "flock"
-    if value not in MODES:
-        raise ValueError(f"stage: {MODE_ENV}={value!r}, expected one of {list(MODES)} (flock: "
-                         f"the default; excl: O_CREAT|O_EXCL, for file systems without flock)")
-    return value
+    return (settings.get() if env is None else settings.read(env)).stage_lock
 
 
 def pid_start(pid: int) -> int | None:

@@ -63,9 +63,7 @@ def start_diagnostics(world, host: str, timeout=None, base=None):
 
 
 def _with_timeout(s, timeout):
-    peer = s.peer_timeout
-    if timeout is not None and "HPCDDP_PEER_TIMEOUT" not in __import__("os").environ:
-        peer = max(0.2, min(5.0, timeout))
+    peer = config.peer_timeout_for(timeout) if timeout is not None else s.peer_timeout
     return config.Settings(timeout=timeout, policy=s.policy, peer_timeout=peer,
                            report_dir=s.report_dir, detail=s.detail, pid_check=s.pid_check)
 

@@ -1,24 +1,6 @@
-"""Diagnostics settings, read from the environment (documented in docs/hangs.md).
-
-=========================  ============================================================
-``HPCDDP_TIMEOUT``         seconds an op may wait before the watchdog reports a stall
-                           (default 600, torch's NCCL default; ``0``/``off``: no watchdog).
-                           ``hpcddp.init(timeout=...)`` sets it too.
-``HPCDDP_STALL_POLICY``    ``abort`` (default): report, then MPI_Abort the job with exit
-                           code 3; ``warn``: report, keep waiting, report again after
-                           another timeout.
-``HPCDDP_PEER_TIMEOUT``    seconds a rank has to answer the diagnostics exchange before it
-                           is named dead/unresponsive (default ``min(5, timeout)``).
-``HPCDDP_REPORT_DIR``      where ``hpcddp-stall-<jobid>.txt`` is written (default: cwd).
-``HPCDDP_DEBUG=detail``    the mismatch check before every collective (costs one small
-                           allgather per op; see docs/hangs.md for the measured cost).
-``HPCDDP_RECORDER_SIZE``   flight recorder entries per rank (default 2048).
-``HPCDDP_PID_CHECK``       ``1`` (default): a same-host peer whose process has gone is
-                           named dead at once; ``0``: rely on the exchange timeout only
-                           (ranks in separate PID namespaces on one host).
-=========================  ============================================================
-
-Bad values are rejected with the valid ones listed, on the rank that reads them, at init.
+"""The watchdog's settings, derived from hpcddp.settings (HPCDDP_TIMEOUT, HPCDDP_STALL_POLICY,
+HPCDDP_PEER_TIMEOUT, HPCDDP_REPORT_DIR, HPCDDP_DEBUG, HPCDDP_PID_CHECK: docs/settings.md,
+docs/hangs.md) and from hpcddp.init's / torch's timeout=.
 """
 from __future__ import annotations
 
@@ -26,10 +8,10 @@ import os
 import re
 from dataclasses import dataclass
 
-DEFAULT_TIMEOUT = 600.0
-POLICIES = ("abort", "warn")
+from hpcddp import settings as _settings
+
+DEFAULT_TIMEOUT = _settings.DEFAULT_TIMEOUT
 STALL_EXIT_CODE = 3          # the job's exit code when the watchdog aborts it
-_OFF = ("0", "off", "none", "false", "no")
 
 
 @dataclass(frozen=True)
@@ -48,59 +30,33 @@ class Settings:
         return max(0.05, min(1.0, t / 10.0))
 
 
-def _seconds(name: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value != value or value == float("inf"):
-        raise ValueError(f"{name}={raw!r}: expected a number of seconds >= 0 "
-                         f"(or 'off' to disable)")
-    return value
-
-
-def timeout_from(raw) -> float | None:
-    """Parse a timeout given as seconds, a timedelta, or 'off' (None = off)."""
-    if raw is None:
-        return None
-    if hasattr(raw, "total_seconds"):
-        raw = raw.total_seconds()
-    if isinstance(raw, (int, float)):
-        if raw < 0:
-            raise ValueError(f"timeout={raw!r}: expected seconds >= 0 (0 disables the watchdog)")
-        return float(raw) or None
-    text = str(raw).strip().lower()
-    if text in _OFF:
-        return None
-    return _seconds("HPCDDP_TIMEOUT", text) or None
+timeout_from = _settings.timeout_from
 
 
 def detail_enabled(env=None) -> bool:
-    """HPCDDP_DEBUG=detail (also a comma list containing 'detail', e.g. 'trace,detail')."""
-    env = os.environ if env is None else env
-    words = re.split(r"[,\s]+", env.get("HPCDDP_DEBUG", "").strip().lower())
-    return "detail" in words
+    """HPCDDP_DEBUG=detail (also a list containing 'detail', e.g. 'trace,detail')."""
+    return "detail" in _settings_of(env).debug
+
+
+def peer_timeout_for(timeout: float | None, env=None) -> float:
+    """HPCDDP_PEER_TIMEOUT, or (unset) min(5, TIMEOUT): a rank that has not answered the
+    exchange by then is named unresponsive."""
+    peer = _settings_of(env).peer_timeout
+    if peer is None:
+        peer = min(5.0, timeout or DEFAULT_TIMEOUT)
+    return max(0.2, peer)
 
 
 def read(env=None) -> Settings:
-    env = os.environ if env is None else env
-    raw = env.get("HPCDDP_TIMEOUT", "").strip()
-    timeout = DEFAULT_TIMEOUT if raw == "" else timeout_from(raw)
-    policy = env.get("HPCDDP_STALL_POLICY", "abort").strip().lower() or "abort"
-    if policy not in POLICIES:
-        raise ValueError(f"HPCDDP_STALL_POLICY={policy!r}: expected one of "
-                         f"{', '.join(POLICIES)}")
-    raw_peer = env.get("HPCDDP_PEER_TIMEOUT", "").strip()
-    if raw_peer:
-        peer = _seconds("HPCDDP_PEER_TIMEOUT", raw_peer)
-    else:
-        peer = min(5.0, timeout or DEFAULT_TIMEOUT)
-    pid = env.get("HPCDDP_PID_CHECK", "1").strip().lower() or "1"
-    if pid not in ("1", "0", "on", "off", "true", "false", "yes", "no"):
-        raise ValueError(f"HPCDDP_PID_CHECK={pid!r}: expected 1 or 0")
-    return Settings(timeout=timeout, policy=policy, peer_timeout=max(0.2, peer),
-                    report_dir=env.get("HPCDDP_REPORT_DIR", "") or os.getcwd(),
-                    detail=detail_enabled(env), pid_check=pid not in _OFF)
+    s = _settings_of(env)
+    return Settings(timeout=s.timeout, policy=s.stall_policy,
+                    peer_timeout=peer_timeout_for(s.timeout, env),
+                    report_dir=s.report_dir or os.getcwd(), detail="detail" in s.debug,
+                    pid_check=s.pid_check)
+
+
+def _settings_of(env):
+    return _settings.get() if env is None else _settings.read(env)
 
 
 def job_id(env=None) -> str:

@@ -19,8 +19,9 @@ data only when it reports.
 from __future__ import annotations
 
 import itertools
-import os
 import time
+
+from hpcddp import settings
 
 _now = time.monotonic
 TICK_S = 0.02
@@ -87,14 +88,7 @@ class FlightRecorder:
 
 
 def _capacity() -> int:
-    raw = os.environ.get("HPCDDP_RECORDER_SIZE", "2048")
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"HPCDDP_RECORDER_SIZE={raw!r}: expected a positive number of entries")
-    return n
+    return settings.get().recorder_size
 
 
 RECORDER = FlightRecorder(_capacity())

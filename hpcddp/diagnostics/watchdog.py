@@ -124,8 +124,7 @@ class Watchdog:
 
     def set_timeout(self, timeout: float | None) -> None:
         s = self.settings
-        peer = s.peer_timeout if "HPCDDP_PEER_TIMEOUT" in os.environ else \
-            max(0.2, min(5.0, timeout or _cfg.DEFAULT_TIMEOUT))
+        peer = _cfg.peer_timeout_for(timeout)
         self.settings = _cfg.Settings(timeout=timeout, policy=s.policy, peer_timeout=peer,
                                       report_dir=s.report_dir, detail=s.detail,
                                       pid_check=s.pid_check)

@@ -51,6 +51,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
+from hpcddp import settings
 from hpcddp.launch.hostlist import expand_hostlist
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
@@ -514,7 +515,7 @@ def detect(env: Mapping[str, str] | None = None) -> Optional[LaunchInfo]:
     ``HPCDDP_LAUNCHER`` overrides them.
     """
     env = os.environ if env is None else env
-    forced = str(env.get(LAUNCHER_OVERRIDE, "")).strip().lower()
+    forced = (settings.get() if env is os.environ else settings.read(env)).launcher.lower()
     if forced:
         if forced == "none":
             return None

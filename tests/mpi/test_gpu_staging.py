@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import hpcddp
+from hpcddp import settings
 from hpcddp import collectives as C
 from hpcddp.collectives import _device as D
 from hpcddp.comm import cuda as cuda_mod
@@ -456,13 +457,14 @@ def test_env_override_drives_the_default_route(comm, monkeypatch, spy_buffers,
                                                small_default_staging):
     """HPCDDP_CUDA_AWARE through the real detection: 0 stages, 1 goes direct."""
     for value, direct in (("0", False), ("1", True)):
-        monkeypatch.setenv("HPCDDP_CUDA_AWARE", value)
+        # as if the job had started with HPCDDP_CUDA_AWARE=value (settings are read once)
+        monkeypatch.setattr(settings, "_current", settings.get().replace(cuda_aware=value))
         cuda_mod.reset_cache()
         spy_buffers.clear()
         y = FakeCuda.of(data(comm.rank, 10, torch.float32))
         C.all_reduce(y, group=comm)
         assert bool(spy_buffers) is direct, value
-    monkeypatch.delenv("HPCDDP_CUDA_AWARE")
+    monkeypatch.undo()
     cuda_mod.reset_cache()
 
 

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from hpcddp import settings
 from hpcddp.collectives.work import Work
 from hpcddp.collectives._gpu_staging import (Copier, HostCopier, PinnedPool, Staged, Staging,
                                      chunk_schedule)
@@ -32,14 +33,14 @@ def test_chunk_schedule():
 
 
 def test_settings_from_environment(monkeypatch):
-    monkeypatch.setenv("HPCDDP_STAGING_CHUNK_BYTES", "1024")
-    monkeypatch.setenv("HPCDDP_STAGING_PIPELINE_BYTES", "0")
+    """HPCDDP_STAGING_CHUNK_BYTES and HPCDDP_STAGING_PIPELINE_BYTES, as the job's settings."""
+    monkeypatch.setattr(settings, "_current", settings.read(
+        {"HPCDDP_STAGING_CHUNK_BYTES": "1024", "HPCDDP_STAGING_PIPELINE_BYTES": "0"}))
     s = Staging(pool=PinnedPool(pin=False))
     assert (s.chunk_bytes, s.pipeline_bytes) == (1024, 0)
-    monkeypatch.setenv("HPCDDP_STAGING_CHUNK_BYTES", "4MiB")
     with pytest.raises(ValueError, match="HPCDDP_STAGING_CHUNK_BYTES='4MiB': expected a whole "
                                          "number of bytes"):
-        Staging(pool=PinnedPool(pin=False))
+        settings.read({"HPCDDP_STAGING_CHUNK_BYTES": "4MiB"})
     with pytest.raises(ValueError, match="depth must be >= 2"):
         Staging(pool=PinnedPool(pin=False), chunk_bytes=1, pipeline_bytes=1, depth=1)
 

@@ -3,6 +3,7 @@ flipped in a staged shard is caught by the dataset on open and replaced by a --v
 re-stage; one stager per destination (a held lock is waited for or refused, on every rank)."""
 import os
 
+from hpcddp import settings
 from hpcddp.launch import detect
 
 _info = detect()
@@ -196,7 +197,8 @@ def test_lock_left_by_a_dead_stager_taken_over(rt, tmp, mode, monkeypatch, capfd
     items = _items(10, seed=14)
     src = os.path.join(tmp, "src")
     _pack_on_root(rt, items, src)
-    monkeypatch.setenv(destlock.MODE_ENV, mode)
+    # as if the job had started with HPCDDP_STAGE_LOCK=mode (settings are read once)
+    monkeypatch.setattr(settings, "_current", settings.get().replace(stage_lock=mode))
     topo, w = rt.topology, rt.world.mpi
     node_dir = _node_dir(rt, tmp)
     dead = 0

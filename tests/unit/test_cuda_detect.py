@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from hpcddp import settings
 from hpcddp.comm import cuda
 from hpcddp.comm.cuda import CudaAwareness, decide, detect
 
@@ -382,9 +383,10 @@ def test_this_machine(monkeypatch):
     assert cuda.cuda_awareness() is cuda.cuda_awareness()      # cached
     status = cuda.cuda_aware_status()
     assert status.split(" ", 1)[0] in ("yes", "no", "unknown")
-    monkeypatch.setenv("HPCDDP_CUDA_AWARE", "1")
+    # the process's settings say HPCDDP_CUDA_AWARE=1 (as if set before it started)
+    monkeypatch.setattr(settings, "_current", settings.get().replace(cuda_aware="1"))
     assert cuda.cuda_awareness() is r                           # still cached
     cuda.reset_cache()
     assert cuda.cuda_aware_status() == "yes (HPCDDP_CUDA_AWARE)"
-    monkeypatch.delenv("HPCDDP_CUDA_AWARE")
+    monkeypatch.undo()
     cuda.reset_cache()

@@ -117,7 +117,7 @@ def test_flock_mode_respects_a_live_excl_holder(tmp_path):
 def test_lock_mode_env():
     assert destlock.lock_mode({}) == "flock"
     assert destlock.lock_mode({"HPCDDP_STAGE_LOCK": "EXCL"}) == "excl"
-    with pytest.raises(ValueError, match=r"HPCDDP_STAGE_LOCK='fcntl', expected one of"):
+    with pytest.raises(ValueError, match=r"HPCDDP_STAGE_LOCK='fcntl': expected flock or excl"):
         destlock.lock_mode({"HPCDDP_STAGE_LOCK": "fcntl"})
 
 

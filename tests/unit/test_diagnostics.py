@@ -92,7 +92,7 @@ def test_settings_defaults_and_overrides():
 
 
 @pytest.mark.parametrize("env, words", [
-    ({"HPCDDP_STALL_POLICY": "kill"}, "abort, warn"),
+    ({"HPCDDP_STALL_POLICY": "kill"}, "abort or warn"),
     ({"HPCDDP_TIMEOUT": "soon"}, "seconds"),
     ({"HPCDDP_TIMEOUT": "-3"}, "seconds"),
     ({"HPCDDP_PEER_TIMEOUT": "x"}, "HPCDDP_PEER_TIMEOUT"),

@@ -562,7 +562,8 @@ def test_parse_tasks_per_node_malformed(text):
 
 
 def test_launch_imports_only_the_standard_library():
-    """hpcddp.launch must not import MPI or torch (DESIGN.md layers): check every import."""
+    """hpcddp.launch must not import MPI or torch (DESIGN.md layers): check every import
+    (hpcddp.settings is standard library only too: tests/unit/test_settings.py)."""
     allowed = set(sys.stdlib_module_names) | {"__future__"}
     root = pathlib.Path(launch.__file__).parent
     for path in root.glob("*.py"):
@@ -570,11 +571,13 @@ def test_launch_imports_only_the_standard_library():
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] if node.level == 0 else []
+                names = ([f"{node.module}.{a.name}" for a in node.names] if node.level == 0
+                         else [])
             else:
                 continue
             for name in names:
-                assert name.split(".")[0] in allowed or name.startswith("hpcddp.launch"), \
+                assert name.split(".")[0] in allowed or \
+                    name.startswith(("hpcddp.launch", "hpcddp.settings")), \
                     f"{path.name} imports {name}"
 
 
@@ -634,19 +637,3 @@ def test_run_mpi_gives_up_after_the_retries(monkeypatch):
     res = mpirun.run_mpi(2, ["true"], timeout=10)
     assert res.returncode == 213 and len(calls) == 1 + mpirun.LAUNCH_RETRIES
     assert "the launcher failed to start" in res.stderr
-
-
-@pytest.mark.parametrize("var", ["HPCDDP_SHM_ALLREDUCE", "HPCDDP_CMA"])
-@pytest.mark.parametrize("raw,mode", [(None, "auto"), ("", "auto"), ("1", "auto"),
-                                      ("AUTO", "auto"), ("0", "0"), (" force ", "force")])
-def test_node_path_switch_reads_the_environment(var, raw, mode):
-    from hpcddp.collectives import _node
-    env = {} if raw is None else {var: raw}
-    assert _node.read_mode(var, env) == mode
-
-
-def test_node_path_switches_refuse_a_typo():
-    from hpcddp.collectives import _cma, _node, _shm
-    for var in (_shm.ENV_MODE, _cma.ENV_MODE):
-        with pytest.raises(ValueError, match=rf"{var}='off': expected 0, 1, auto or force"):
-            _node.read_mode(var, {var: "off"})
