@@ -6,8 +6,8 @@ receiver (Open MPI's sm transport reads the root's pages through the same syscal
 component), so with two ranks one core copies while the root's core waits: the op can go no
 faster than one core's memcpy. Here the root and the receivers split the copy. The payload is
 cut into n parts; the root writes part i into receiver i's tensor while receiver i reads every
-other part out of the root's tensor, so every core copies (n-1)/n of the payload at once:
-2 ranks take 0.43-0.7x MPI's Bcast's time from 4 MiB (docs/benchmarks.md, "Cross-memory attach").
+other part out of the root's tensor, so every core copies (n-1)/n of the payload at once
+(measured against MPI's Bcast in docs/benchmarks.md, "Cross-memory attach").
 
 Per call (the tensor itself is the buffer on both sides: no staging copy)::
 
@@ -43,11 +43,12 @@ from hpcddp import settings
 from hpcddp.collectives import _node
 from hpcddp.comm._mpi import MPI
 
-# 1 MiB: 0.06 ms against MPI's 0.08 (2 ranks); below it the two fixed costs are level
+# below 1 MiB this path's fixed cost (an Allgather and an Allreduce) is as large as what the
+# split copy saves (docs/benchmarks.md, "Cross-memory attach")
 MIN_BYTES = 1 << 20
-# The race's size: root's and receiver's buffers together (48 MiB) overflow the 32 MiB L3 of
-# the machine measured, as a real broadcast's do. At 8 MiB both sit in cache, where MPI's one
-# copy is as fast as two half copies (a tie: MPI kept) though the split wins 2x out of cache.
+# The race's size: the root's and the receivers' buffers together overflow the last-level
+# cache, as a real large broadcast's do; in cache MPI's one copy ties with two half copies
+# and would decide the race on a case that does not matter.
 PROBE_BYTES = 24 << 20
 ENV_MODE = "HPCDDP_CMA"
 MODE = settings.get().cma

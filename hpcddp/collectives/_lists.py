@@ -101,7 +101,7 @@ def all_gather(tensor_list, tensor, views, send, comm, async_op, entry, group=No
     r, n = comm.rank, comm.size
     own = (views[r], send) if tensor_list[r].data_ptr() != tensor.data_ptr() else None
     if own is not None:
-        np.copyto(*own)   # numpy: ~0.3 us where torch's copy_ costs ~2
+        np.copyto(*own)   # numpy's copy has a fraction of torch's copy_ fixed cost
     sends = [send] * n
     reqs = _exchange(side, r, n, sends, views, async_op)
     call = (tensor, *tensor_list)

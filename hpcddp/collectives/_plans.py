@@ -92,8 +92,8 @@ def hit_py(tensor, group) -> bool:
 # -- exchange plans ----------------------------------------------------------------------------
 # The blocking all_to_all_single (even blocks), all_gather and all_to_all (list forms) of the
 # same tensors, called again: most of their fixed cost was Python checking what it had checked
-# before (as_array per tensor, dtypes, sizes, the layout), 4-7 us of a call at 8 B and about
-# twice that at 1 MiB (`python -m hpcddp.bench.dispatch`). A plan keeps, per call, what those
+# before (as_array per tensor, dtypes, sizes, the layout; measured by
+# `python -m hpcddp.bench.dispatch`, docs/benchmarks.md). A plan keeps, per call, what those
 # checks found; a hit verifies every tensor is the same object with the same memory, element
 # count and contiguity, on the same live communicator, then records the op and runs it.
 A2A_SINGLE, ALL_GATHER, ALL_TO_ALL = range(3)
@@ -182,8 +182,8 @@ def xhit_py(kind: int, tensors: tuple, group) -> bool:
 # -- point-to-point plans ----------------------------------------------------------------------
 # isend/irecv/send/recv of a tensor used before with the same peer, tag and group: the C hit
 # rechecks the tensor as the plans above do, writes the recorder's p2p entry and starts the
-# MPI call; isend/irecv return a C P2PWork (a Python Work cost ~2.8 us to make and wait,
-# against ~1.4 us for raw mpi4py's whole Isend/Irecv/Wait pair at 8 B). Only the C module
+# MPI call; isend/irecv return a C P2PWork (a Python Work cost more to make and wait than raw
+# mpi4py's whole Isend/Irecv/Wait pair: docs/benchmarks.md). Only the C module
 # runs these plans: without it the full path runs as before and nothing is planned.
 ISEND, IRECV, SEND, RECV = range(4)
 pplans: tuple = ({}, {})   # sends, recvs: id(tensor) -> plan (a tensor may go both ways)

@@ -1,11 +1,10 @@
 """Large all_reduce and reduce_scatter among ranks of one node through a shared-memory arena.
 
-Why: Open MPI's shared-memory Allreduce moves large buffers at ~2.5 GB/s busbw here (40 MiB,
-2 ranks), a fifth of what the memory can do: its pipeline copies every fragment through the
-sm transport's small buffers and reduces in the receiver's loop. Reducing straight out of a
-shared arena in chunks that stay in cache takes 0.27x MPI's time at 64 MiB and 0.54x at
-16 MiB (docs/benchmarks/comm-arena.json; docs/benchmarks.md, "The shared-memory arena"). DeepSpeed's and oneCCL's CPU all-reduces do the
-same; gloo has no shared memory at all.
+Why: Open MPI's shared-memory Allreduce moves large buffers at a fraction of what the memory
+can do: its pipeline copies every fragment through the sm transport's small buffers and
+reduces in the receiver's loop. Reducing straight out of a shared arena in chunks that stay in
+cache is several times faster at large sizes (docs/benchmarks.md, "The shared-memory arena").
+DeepSpeed's and oneCCL's CPU all-reduces do the same; gloo has no shared memory at all.
 
 How, per chunk of the tensor (a chunk = n slices, one per rank; the arena holds one row of
 n slots per rank, so n x n slots in all)::
@@ -31,10 +30,9 @@ group. Only groups whose ranks all share one node use it, and only for the SUM f
 AVG, PREMUL_SUM) on non-bool dtypes of at least MIN_BYTES.
 
 Measured, not assumed: a new arena races MPI's Allreduce on a PROBE_BYTES scratch buffer
-(best of 3 each, the slowest rank's time; ~10 ms once per group) and is kept only if it wins.
-On this 2-vCPU VM about one job in seven starts in a state where writes into the shared pages
-run 4x slower (the arena then measures 2 GB/s against MPI's 3.5); the probe sends those jobs
-to MPI. ``HPCDDP_SHM_ALLREDUCE=0`` turns the arena off, ``force`` skips the probe (tests),
+(best of 3 each, the slowest rank's time; once per group) and is kept only if it wins. Some
+virtual machines start a job in a state where writes into the shared pages are several times
+slower (docs/benchmarks.md); the probe sends those jobs to MPI. ``HPCDDP_SHM_ALLREDUCE=0`` turns the arena off, ``force`` skips the probe (tests),
 ``auto`` or ``1`` is the default; set it alike on every rank.
 """
 from __future__ import annotations
@@ -52,8 +50,7 @@ from hpcddp.collectives import _node
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.ops import RedOpType
 
-# Below this MPI's own algorithm is as fast: at 512 KiB - 1 MiB the two are level, from
-# 2 MiB the arena wins (1.2x at 2 MiB, 1.9x at 16 MiB, 3.3x at 40-64 MiB; docs/benchmarks.md)
+# Below this MPI's own algorithm is as fast (where the two cross: docs/benchmarks.md)
 MIN_BYTES = 1 << 20
 ROW_BYTES = 2 << 20       # per rank and chunk: slices of ROW_BYTES / n stay in L2 while reduced
 ARENA_MAX = 32 << 20      # the whole arena, n x row, whatever the ranks per node

@@ -105,8 +105,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             and inp.size == out.size \
             and input.dim() and output.dim() and not input.shape[0] % n \
             and not output.shape[0] % n:
-        # the common call, even blocks: its counts are cached (lists built per call were
-        # ~1 us of a ~6 us small all_to_all_single)
+        # the common call, even blocks: its counts are cached (building the count lists
+        # per call was a sizeable part of a small all_to_all_single: docs/benchmarks.md)
         layout = _even.get((n, inp.size))
         if layout is None:
             if len(_even) >= 256:
@@ -127,7 +127,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     # MPI_Alltoallv on every rank, even splits or not: each rank knows only its own splits,
     # and MPI_Alltoall on a rank with even ones against MPI_Alltoallv on a peer with uneven
     # ones is erroneous MPI (Open MPI's happen to match; another MPI or collective component
-    # need not). It costs ~0.5 us over Ialltoall at 8 B and nothing measurable at 1 MiB.
+    # need not). Its cost over Ialltoall is in docs/benchmarks.md.
     req = comm.mpi.Ialltoallv([inp, (scounts, sdis)], [out, (rcounts, rdis)])
     return finish_or_work(async_op, entry, [req], [output])
 

@@ -73,8 +73,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
         return finish_or_work(async_op, entry, _large.allgather(comm, inp, out), [output_tensor])
     # The blocking MPI call, with or without async_op, as all_reduce and broadcast do: a
     # blocking collective never matches a non-blocking one on another rank, so it must be the
-    # same call either way; and Open MPI's blocking Allgather measured 57 us against 83 us for
-    # Iallgather + Wait at 1 MiB here (equal from 4 MiB). async_op: a completed Work.
+    # same call either way; and Open MPI's blocking Allgather is faster than Iallgather + Wait
+    # at mid sizes (docs/benchmarks.md). async_op: a completed Work.
     comm.mpi.Allgather(inp, out)
     record_end(entry)
     return CompletedWork([output_tensor]) if async_op else None

@@ -54,7 +54,8 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
     # The blocking MPI call, with or without async_op: MPI never matches a blocking collective
     # on one rank with a non-blocking one on another, and torch code mixes them for one
     # all_reduce (Join: the joined ranks' plain call against the others' async_op=True).
-    # Allreduce is also 2-6x faster than Iallreduce+Wait here. async_op: a completed Work.
+    # Allreduce is also faster than Iallreduce+Wait (docs/benchmarks.md). async_op: a
+    # completed Work.
     try:
         comm.mpi.Allreduce(IN_PLACE, arr, mop)
     except _large.REFUSED:  # over MPI's count limit: pieces (costs nothing until then)

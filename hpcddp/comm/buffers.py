@@ -147,8 +147,8 @@ def same_spec(tensors, ref: torch.Tensor, fn: str, arg: str, *, same_shape: bool
     ref_cpu = ref.is_cpu
     for i, t in enumerate(tensors):
         # a CPU tensor as_array validated before is still valid (same object, memory, size):
-        # list ops pass the same tensors every step, and these checks were 1.2 of a small
-        # all_gather's 9.5 us (2.5 of all_to_all's 14: it checks two lists)
+        # list ops pass the same tensors every step, and these checks were a large part of a
+        # small list all_gather's or all_to_all's time (docs/benchmarks.md)
         if not ref_cpu or cached_view(t) is None:
             check_tensor(t, fn, f"{arg}[{i}]")
             if t.device != ref.device:
