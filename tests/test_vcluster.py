@@ -8,7 +8,8 @@ nodes themselves. Between nodes MPI has only TCP over the bridge (btl tcp,self,s
 eth0, the node's bridge link); within a node, shared memory.
 
 Checked: `hpcddp info` at 2 and 3 nodes; topology and every collective at 2 nodes x 2 ranks
-against numpy (tests/vcluster/job_collectives.py), with the bytes counted on the node's veth; that
+against numpy (tests/vcluster/job_collectives.py), with the bytes counted on the node's veth
+(node-local all_reduces put none on it, cross-node ones put theirs); that
 shared memory alone cannot join two nodes; DDP against a one-process reference; `hpcddp stage`
 into each node's own /scratch, the shared source read once per node group. A crashed `up` is
 cleaned by `down`.

@@ -5,7 +5,9 @@ names, node_comm holds exactly the ranks of my host, leaders and cross-node grou
 node groups split nodes k at a time. Then every torch.distributed collective on the hpcddp group
 is checked against numpy, at a small size and at 1 Mi elements (large messages take the other
 paths: shared-memory arenas within a node, rendezvous over TCP between nodes). Every rank builds
-every rank's input itself, so the references need no message.
+every rank's input itself, so the references need no message. Before that, 8 MiB all_reduces
+inside each node (raw MPI on the node communicator, hpcddp on a node group) must leave the node's
+eth0 byte counters (/proc/net/dev, per network namespace) all but unchanged: shared memory within.
 
 Prints "[rankR] vcluster-collectives ok host=H node=N" on success; any failure raises, and
 hpcddp's abort_on_exception turns it into a failed job.
@@ -135,7 +137,39 @@ def check_collectives(n: int):
     dist.barrier()
 
 
+def link_bytes() -> int:
+    """Bytes through this node's eth0 so far, both ways (/proc/net/dev is per network namespace)."""
+    for line in open("/proc/net/dev"):
+        name, _, rest = line.partition(":")
+        if name.strip() == "eth0":
+            f = rest.split()
+            return int(f[0]) + int(f[8])
+    raise AssertionError("no eth0 in /proc/net/dev: not inside a virtual node")
+
+
+def check_node_traffic_stays_in_the_node(hosts):
+    """Large all_reduces inside each node (raw MPI and hpcddp) put nothing on the node's link."""
+    topo = hpcddp.get_topology()
+    groups = {h: dist.new_group([r for r in range(size) if hosts[r] == h]) for h in dict.fromkeys(hosts)}
+    mine = groups[hosts[rank]]
+    a = np.ones(1 << 20, dtype=np.float64)            # 8 MiB
+    x = torch.ones(1 << 20, dtype=torch.float64)
+    topo.node_comm.Allreduce(a.copy(), a); dist.all_reduce(x, group=mine)   # warm-up, set-up
+    dist.barrier()
+    before = link_bytes()
+    for _ in range(4):
+        topo.node_comm.Allreduce(a.copy(), a)
+        dist.all_reduce(x, group=mine)
+    topo.node_comm.Barrier()
+    moved = link_bytes() - before
+    assert moved < (1 << 20), f"{moved} bytes crossed {hosts[rank]}'s link during node-local all_reduces"
+    np.testing.assert_array_equal(a, topo.local_size ** 5)
+    np.testing.assert_array_equal(x.numpy(), topo.local_size ** 5)
+    dist.barrier()
+
+
 hosts = check_topology()
+check_node_traffic_stays_in_the_node(hosts)
 for n in (7, 1 << 20):
     check_collectives(n)
 objs = [None] * size
