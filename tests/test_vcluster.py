@@ -41,6 +41,9 @@ def vc_env(name=NAME, subnet=SUBNET) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCDDP_RANKS_PER_NODE",
                                                                      "OMPI_", "PMIX_", "PRTE_"))}
     env.update(VCLUSTER_NAME=name, VCLUSTER_SUBNET=subnet, PYTHONUNBUFFERED="1")
+    # The rsh agent hands PATH to the other nodes: this venv's python, hpcddp and prted first,
+    # also when pytest was started without activating it.
+    env["PATH"] = os.path.join(sys.prefix, "bin") + os.pathsep + env.get("PATH", "")
     return env
 
 
