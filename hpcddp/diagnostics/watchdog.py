@@ -186,8 +186,10 @@ class Watchdog:
                     self._serve()
                     self._check()
                 except Exception as exc:  # the watchdog must never take the job down itself
-                    self._errors += 1
-                    if self._errors <= 3:
+                    # in elastic mode a lost peer's MPI error is hpcddp.elastic's to handle
+                    quiet = self.peer_failures_survivable and isinstance(exc, MPI.Exception)
+                    self._errors += 0 if quiet else 1
+                    if not quiet and self._errors <= 3:
                         _log.log(f"hpcddp watchdog: internal error (ignored): "
                                  f"{type(exc).__name__}: {exc}")
                 next_look = time.monotonic() + self.settings.poll
