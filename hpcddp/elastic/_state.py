@@ -22,7 +22,6 @@ story. The parts:
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 
 import torch
@@ -187,7 +186,14 @@ class State:
                 yield batch
                 if self._failed is not None:
                     break
+            else:
+                next(it, None)     # the loader's end of pass: its workers stop (or rest)
             if self._failed is not None:
+                # end the abandoned pass's worker processes now: workers forked later would
+                # inherit the iterator and trip over it when they collect it
+                shutdown = getattr(it, "_shutdown_workers", None)
+                if shutdown is not None and not getattr(loader, "persistent_workers", False):
+                    shutdown()
                 it = None
                 self.recover(self._failed)
 
@@ -199,7 +205,8 @@ class State:
         except BaseException as exc:
             if not isinstance(exc, Exception) or not is_process_failure(exc, self.world.mpi):
                 raise
-            self._failed = exc
+            # the traceback would keep the loop's frames (and its loader iterator) alive
+            self._failed = exc.with_traceback(None)
             if self._failed_at is None:
                 self._failed_at = time.time()
             if self._stepped:
@@ -265,6 +272,13 @@ class State:
         old_model, self.model = self.model, None
         _unhook(old_model)
         del old_model
+        phases = {}
+        mark = [time.perf_counter()]
+
+        def lap(name):
+            now = time.perf_counter()
+            phases[name] = phases.get(name, 0.0) + now - mark[0]
+            mark[0] = now
         while True:
             for c in _comms_to_revoke(self._rt):
                 try:
@@ -273,12 +287,15 @@ class State:
                     pass
             new = comm.Shrink()
             new.Set_errhandler(MPI.ERRORS_RETURN)
+            lap("revoke_shrink")
             try:
                 mine = (self.epoch, self.pos, self.global_step)
                 best = new.allreduce((mine, -new.Get_rank()), op=MPI.MAX)
-                (epoch, pos, gstep), src = best[0], -best[1]
-                self._rebuild_world(new)
+                src = -best[1]
+                lap("agree")
+                self._rebuild_world(new, lap)
                 self._restore(src)
+                lap("restore")
                 break
             except MPI.Exception as exc:
                 if not is_process_failure(exc, new):
@@ -290,17 +307,21 @@ class State:
         redealt = len(self.sampler.chunks(self.pos))
         self.sampler.repartition(self.size, self.rank, self.pos)
         self.model = self._wrap()
+        lap("ddp")
         if self.want_groups:
             from hpcddp.backend import topology_groups as tg
             self.groups = tg()
         for fn in self.on_recovery:
             fn(self)
+        lap("groups_callbacks")
         seconds = time.perf_counter() - t0
         rec = Recovery(lost=lost, world_size=self.size, step=self.global_step, epoch=self.epoch,
                        position=self.pos, steps_redealt=redealt, source_rank=src,
-                       seconds=seconds, detected_at=detected, cause=repr(cause)[:200],
+                       seconds=seconds, phases=phases, detected_at=detected,
+                       cause=repr(cause)[:200],
                        first_step_at=None, kill_to_step_s=None, detect_to_step_s=None)
         self.recoveries.append(rec)
+        _exit_without_finalize()
         self._failed, self._failed_at, self._stepped = None, None, False
         self._first_step_after = rec
         if self.verbose and self.rank == 0:
@@ -312,7 +333,7 @@ class State:
                      f"{redealt} step(s) dealt over the survivors")
         return rec
 
-    def _rebuild_world(self, new) -> None:
+    def _rebuild_world(self, new, lap) -> None:
         """hpcddp's world, topology and watchdog, and torch's default group, on NEW."""
         from hpcddp.backend import bootstrap_store
         from hpcddp.comm import startup
@@ -320,11 +341,12 @@ class State:
         from hpcddp.comm.topology import build_topology, emulated_ranks_per_node
         rt = self._rt
         _stop_watchdog()
+        lap("watchdog_stop")
         try:
             dist.destroy_process_group()
         except Exception:
             pass
-        gc.collect()
+        lap("torch_destroy")
         world = Communicator(new, "WORLD", translate_to_world(new))
         rt.world = world
         launch = rt.launch
@@ -332,9 +354,12 @@ class State:
         if rt.local_rank_source == "emulated" or key is None or emulated_ranks_per_node():
             key = None
         rt.topology = build_topology(world, emulated_ranks_per_node(), key)
+        lap("topology")
         _restart_watchdog(world, rt.topology.hostname)
+        lap("watchdog_start")
         store = bootstrap_store()
         dist.init_process_group("hpcddp", store=store, rank=world.rank, world_size=world.size)
+        lap("torch_group")
         del startup
 
     def _restore(self, src: int) -> None:
@@ -367,6 +392,66 @@ class State:
                 return fut
             model.register_comm_hook(None, dying_allreduce)
         return model
+
+
+_exit_code = [0]
+_exit_installed = [False]
+
+
+def _exit_without_finalize() -> None:
+    """After a lost rank, end this process at exit without MPI_Finalize.
+
+    Open MPI 5.0's MPI_Finalize runs a fence over every process of the job, the dead ones
+    included: with --with-ft ulfm it usually returns, but now and then a survivor waits in it
+    forever (seen in about one run in ten with two failures, 4 ranks, here). So once a rank
+    is lost, hpcddp's exit handler is replaced by one that stops the watchdog, flushes the
+    output and calls os._exit: with sys.exit's code, 1 after an uncaught exception, else 0
+    (``raise SystemExit(n)`` without sys.exit is not seen: it exits 0). atexit handlers
+    registered before the recovery do not run then (register yours in ``on_recovery``).
+    """
+    if _exit_installed[0]:
+        return
+    _exit_installed[0] = True
+    import atexit
+    import os
+    import sys
+    import threading
+
+    from hpcddp.comm import startup
+    atexit.unregister(startup._finalize_at_exit)
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if not issubclass(exc_type, SystemExit):
+            _exit_code[0] = 1
+        previous(exc_type, exc, tb)
+    sys.excepthook = hook
+    previous_thread_hook = threading.excepthook
+    previous_exit = sys.exit
+
+    def exit_with(code=None):
+        _exit_code[0] = 0 if code is None else code if isinstance(code, int) else 1
+        previous_exit(code)
+    sys.exit = exit_with
+
+    def thread_hook(args):
+        _exit_code[0] = 1
+        previous_thread_hook(args)
+    threading.excepthook = thread_hook
+
+    def finish():
+        try:
+            from hpcddp import diagnostics
+            diagnostics.stop_without_barrier()
+        except Exception:
+            pass
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(_exit_code[0])
+    atexit.register(finish)
 
 
 def _unhook(ddp) -> None:
