@@ -3,9 +3,9 @@
 Each rank checks what MPI itself found (no HPCDDP_RANKS_PER_NODE): nodes are the distinct host
 names, node_comm holds exactly the ranks of my host, leaders and cross-node groups follow, and
 node groups split nodes k at a time. Then every torch.distributed collective on the hpcddp group
-is checked against numpy, at a small size and at 1 Mi elements (large messages take the other
+is checked against numpy, at a small size and at 256 Ki elements, 2 MiB (large messages take the other
 paths: shared-memory arenas within a node, rendezvous over TCP between nodes). Every rank builds
-every rank's input itself, so the references need no message. Before that, 8 MiB all_reduces
+every rank's input itself, so the references need no message. Before that, 2 MiB all_reduces
 inside each node (raw MPI on the node communicator, hpcddp on a node group) must leave the node's
 eth0 byte counters (/proc/net/dev, per network namespace) all but unchanged: shared memory within.
 
@@ -152,8 +152,8 @@ def check_node_traffic_stays_in_the_node(hosts):
     topo = hpcddp.get_topology()
     groups = {h: dist.new_group([r for r in range(size) if hosts[r] == h]) for h in dict.fromkeys(hosts)}
     mine = groups[hosts[rank]]
-    a = np.ones(1 << 20, dtype=np.float64)            # 8 MiB
-    x = torch.ones(1 << 20, dtype=torch.float64)
+    a = np.ones(1 << 18, dtype=np.float64)            # 2 MiB: hpcddp's large-message paths
+    x = torch.ones(1 << 18, dtype=torch.float64)
     topo.node_comm.Allreduce(a.copy(), a); dist.all_reduce(x, group=mine)   # warm-up, set-up
     dist.barrier()
     before = link_bytes()
@@ -170,7 +170,7 @@ def check_node_traffic_stays_in_the_node(hosts):
 
 hosts = check_topology()
 check_node_traffic_stays_in_the_node(hosts)
-for n in (7, 1 << 20):
+for n in (7, 1 << 18):
     check_collectives(n)
 objs = [None] * size
 dist.all_gather_object(objs, {"rank": rank, "host": hosts[rank]})
