@@ -9,7 +9,7 @@
 #   scripts/vcluster.sh status               nodes, their pids, addresses, shaping, Slurm
 #   scripts/vcluster.sh down                 remove everything `up` made (also after a crash)
 #
-# A node is a holder process (`sleep`, argv[0] "vcluster-holder-NODE") started by
+# A node is a holder process (`sleep`, argv[0] "vcluster-NAME-NODE") started by
 # `unshare --net --uts --mount`; `run` and `rsh` nsenter its namespaces. Each node has:
 #   - hostname NODE (UTS), so Open MPI and Slurm count it as its own host;
 #   - eth0 = $SUBNET.I/24, a veth whose other end is on bridge $BRIDGE ($SUBNET.254 here), so
@@ -23,7 +23,7 @@
 #
 # mpirun spans the nodes with its own rsh launcher: `run` exports PRTE_MCA_plm_ssh_agent and
 # OMPI_MCA_plm_rsh_agent = "THIS_SCRIPT rsh", and VCLUSTER_HOSTFILE (one "NODE slots=S" line each):
-#   scripts/vcluster.sh run node1 sh -c 'mpirun --hostfile $VCLUSTER_HOSTFILE -n 4 hostname'
+#   scripts/vcluster.sh run node1 sh -c 'mpirun --allow-run-as-root --hostfile $VCLUSTER_HOSTFILE -n 4 hostname'
 #
 # Settings (environment): VCLUSTER_NAME=vc (several clusters may coexist under different names:
 # state in /run/vcluster/NAME, bridge NAMEbr0, veths NAME-nodeI), VCLUSTER_SUBNET=10.77.0 (give
