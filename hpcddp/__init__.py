@@ -35,6 +35,13 @@ __all__ = ["Communicator", "ProcessGroupHPCDDP", "Work", "__version__", "all_gat
            "topology_groups", "world"]
 
 
+# What starts and stops with MPI in the layers above hpcddp.comm, as "module:function" names:
+# comm runs them at every start-up (hpcddp.init, init_process_group, an op's first call) and
+# finalize without importing those layers (the layer map: CONTRIBUTING.md).
+ON_MPI_START = ("hpcddp.diagnostics:on_mpi_start",)
+ON_MPI_FINALIZE = ("hpcddp.diagnostics:shutdown_diagnostics",)
+
+
 def __getattr__(name):
     module = _LAZY.get(name)
     if module is None:

@@ -1,6 +1,6 @@
 """What the flight recorder and the mismatch check cost: all_reduce with recording off/on/detail.
 
-    mpirun -n 2 python -m hpcddp.diagnostics.bench [--api direct|dist] [--sizes 8,1024,4096]
+    mpirun -n 2 python -m hpcddp.bench.recorder [--api direct|dist] [--sizes 8,1024,4096]
                                                  [--rounds 101] [--json]
 
 Runs ``hpcddp.all_reduce`` (the direct API, where an extra microsecond shows most; ``--api
@@ -146,7 +146,7 @@ def _table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpcddp.diagnostics.bench",
+    p = argparse.ArgumentParser(prog="python -m hpcddp.bench.recorder",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="8,1024,4096,16384,65536,1048576",
                    help="message sizes in bytes, comma-separated (default %(default)s)")

@@ -2,17 +2,21 @@
 
 ``init()`` starts MPI (asking for MPI_THREAD_MULTIPLE: DDP runs collectives from autograd
 threads), duplicates COMM_WORLD into hpcddp's private world (our traffic never collides with
-the user's), resolves local rank and nodes, picks the CUDA device by local rank, and installs
-abort-on-exception if asked. It is idempotent and safe when mpi4py already initialised MPI.
+the user's), resolves local rank and nodes, picks the CUDA device by local rank, and runs
+what the layers above start with MPI (the diagnostics' watchdog, abort-on-exception: named in
+``hpcddp.ON_MPI_START``, so that comm imports none of those layers). It is idempotent and safe
+when mpi4py already initialised MPI.
 """
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import sys
 import threading
 from dataclasses import dataclass, field
 
+import hpcddp
 from hpcddp import settings
 from hpcddp.comm import output as _log
 from hpcddp.comm._mpi import MPI
@@ -75,13 +79,9 @@ def init(*, abort_on_exception: bool = False,
         rt = _runtime
     if timeout is not None:   # what every later reader of HPCDDP_TIMEOUT sees
         settings.set_from_init(timeout=settings.timeout_from(timeout))
-    # the watchdog (stall reports): started by the first init on every rank (a collective),
-    # later calls only change its timeout
-    from hpcddp.diagnostics import start_diagnostics
-    start_diagnostics(rt.world, rt.topology.hostname, timeout)
-    if abort_on_exception:
-        from hpcddp.diagnostics.abort import install_abort_on_exception
-        install_abort_on_exception()
+    # e.g. the watchdog (stall reports): started by the first init on every rank (a
+    # collective), later calls only change its timeout
+    _run_hooks(hpcddp.ON_MPI_START, rt, timeout=timeout, abort_on_exception=abort_on_exception)
     if set_cuda_device and rt.cuda_device is None:
         rt.cuda_device = _pick_cuda_device(rt.topology.local_rank)
     return rt
@@ -178,20 +178,19 @@ def finalize() -> None:
         rt, _runtime = _runtime, None
     if rt is None:
         return
-    try:
-        from hpcddp.diagnostics import shutdown_diagnostics
-        shutdown_diagnostics()
-    except ImportError:
-        pass
+    _run_hooks(hpcddp.ON_MPI_FINALIZE)
     if rt.we_initialized and MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
 
 
 def _finalize_at_exit() -> None:
     if MPI.Is_initialized() and not MPI.Is_finalized():
-        try:
-            from hpcddp.diagnostics import shutdown_diagnostics
-            shutdown_diagnostics()
-        except ImportError:
-            pass
+        _run_hooks(hpcddp.ON_MPI_FINALIZE)
         MPI.Finalize()
+
+
+def _run_hooks(names, *args, **kwargs) -> None:
+    """Call each "module:function" of NAMES (hpcddp.ON_MPI_START / ON_MPI_FINALIZE)."""
+    for name in names:
+        module, function = name.split(":")
+        getattr(importlib.import_module(module), function)(*args, **kwargs)

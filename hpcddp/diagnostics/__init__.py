@@ -28,7 +28,16 @@ _atexit = False
 
 __all__ = ["CollectiveMismatchError", "FlightRecorder", "RECORDER", "STALL_EXIT_CODE",
            "install_abort_on_exception", "query_ranks", "set_timeout", "shutdown_diagnostics",
-           "start_diagnostics", "watchdog"]
+           "on_mpi_start", "start_diagnostics", "watchdog"]
+
+
+def on_mpi_start(rt, timeout=None, abort_on_exception: bool = False) -> None:
+    """What hpcddp.comm's start-up runs (hpcddp.ON_MPI_START): the watchdog on RT's world,
+    and abort-on-exception if asked."""
+    start_diagnostics(rt.world, rt.topology.hostname, timeout)
+    if abort_on_exception:
+        from hpcddp.diagnostics.abort import install_abort_on_exception
+        install_abort_on_exception()
 
 
 def start_diagnostics(world, host: str, timeout=None, base=None):

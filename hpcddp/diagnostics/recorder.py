@@ -12,7 +12,7 @@ Times come from :data:`TICK`, a clock the watchdog thread advances every :data:`
 seconds (20 ms): reading the system clock twice per op cost more than all the rest of the
 recording (measured: ~0.25 us of ~0.5 us per op inside an MPI job), and a hang is measured in
 seconds. Cost per op: one list, one ring store, one attribute update, two list reads
-(``python -m hpcddp.diagnostics.bench`` measures it against the op itself). Entries keep a
+(``python -m hpcddp.bench.recorder`` measures it against the op itself). Entries keep a
 reference to their shape and dtype objects (no copies); the watchdog turns them into plain
 data only when it reports.
 """
