@@ -8,7 +8,8 @@ import platform
 
 DESCRIPTION = """\
 Show the MPI library and version, thread level, launcher, the rank / local rank / node / host
-layout, torch and CUDA, CUDA-aware MPI status, and h5py/lmdb versions. Run it the way you run
+layout, torch and CUDA, CUDA-aware MPI status, h5py/lmdb versions, and which path each
+collective takes on the world group (in the order tried; open or closed, and why). Run it the way you run
 your training job, e.g.:
 
     mpirun -n 4 hpcddp info
@@ -19,7 +20,8 @@ your training job, e.g.:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
-                        help="print one JSON object (world_size, nodes, launcher, mpi, cuda_aware, ranks)")
+                        help="print one JSON object (world_size, nodes, launcher, mpi, cuda_aware, "
+                        "ranks, paths)")
 
 
 def run(args) -> int:
@@ -60,6 +62,8 @@ def collect_info() -> dict | None:
     mine = {"rank": world.rank, "local_rank": topo.local_rank, "node": topo.node,
             "host": topo.hostname, "pid": __import__("os").getpid()}
     ranks = world.mpi.gather(mine, root=0)
+    from hpcddp.collectives import paths
+    path_table = paths.table(world)     # collective: the node-local paths' start-up races
     if world.rank != 0:
         return None
     launch = rt.launch
@@ -86,6 +90,7 @@ def collect_info() -> dict | None:
         "lmdb": _version("lmdb"),
         "notes": list(rt.notes),
         "ranks": ranks,
+        "paths": path_table,
     }
 
 
@@ -110,4 +115,6 @@ def format_info(info: dict) -> str:
         lines.append(f"{r['rank']:>5} {r['local_rank']:>5} {r['node']:>5}  {r['host']}")
     for n in info["notes"]:
         lines.append(f"note: {n}")
+    from hpcddp.collectives.paths import format_table
+    lines += ["", format_table(info["paths"])]
     return "\n".join(lines)
