@@ -88,24 +88,20 @@ def _path_mode(name: str, text: str) -> str:
     return mode
 
 
-def _positive_int(name: str, text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise SettingsError(f"{name}={text!r}: expected a positive whole number")
-    return value
+def _whole(minimum: int, what: str) -> Callable[[str, str], int]:
+    def parse(name: str, text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise SettingsError(f"{name}={text!r}: expected {what}")
+        return value
+    return parse
 
 
-def _bytes(name: str, text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise SettingsError(f"{name}={text!r}: expected a whole number of bytes >= 0")
-    return value
+_positive_int = _whole(1, "a positive whole number")
+_bytes = _whole(0, "a whole number of bytes >= 0")
 
 
 def _choice(*values: str) -> Callable[[str, str], str]:

@@ -43,31 +43,29 @@ def _device(comm) -> str:
         "open (staged through pinned host memory)"
 
 
-def _raced(path: str, comm, unopened: str) -> str:
-    """Why a node-local path is closed: the start-up race it lost, or UNOPENED."""
-    for d in reversed(_node.decisions):
-        if d["path"].startswith(path) and not d["kept"]:
-            return (f"closed (MPI won the start-up race: {d['mpi_s'] * 1e3:.1f} ms, this path "
-                    f"{d['ours_s'] * 1e3:.1f} ms)")
-    return f"closed ({unopened})"
+def _node_local(mode: str, variable: str, opened, raced: str, unopened: str):
+    """The state of a node-local path: its switch (MODE of VARIABLE), then whether OPENED(comm)
+    set it up for the group; closed, the start-up race it lost (RACED: its name in
+    _node.decisions) or UNOPENED, the other reasons."""
+    def state(comm) -> str:
+        if getattr(settings.get(), mode) == "0":
+            return f"closed ({variable}=0)"
+        if comm.size < 2:
+            return "closed (one rank)"
+        if opened(comm) is not None:
+            return "open"
+        for d in reversed(_node.decisions):
+            if d["path"].startswith(raced) and not d["kept"]:
+                return (f"closed (MPI won the start-up race: {d['mpi_s'] * 1e3:.1f} ms, this "
+                        f"path {d['ours_s'] * 1e3:.1f} ms)")
+        return f"closed ({unopened})"
+    return state
 
 
-def _arena(comm) -> str:
-    if settings.get().shm_allreduce == "0":
-        return "closed (HPCDDP_SHM_ALLREDUCE=0)"
-    if comm.size < 2:
-        return "closed (one rank)"
-    return "open" if _shm.arena(comm) is not None else \
-        _raced("shm arena", comm, "ranks on several nodes, or no room in /dev/shm")
-
-
-def _cma_state(comm) -> str:
-    if settings.get().cma == "0":
-        return "closed (HPCDDP_CMA=0)"
-    if comm.size < 2:
-        return "closed (one rank)"
-    return "open" if _cma.peers(comm) is not None else \
-        _raced("cma", comm, "ranks on several nodes, or the kernel refuses")
+_arena = _node_local("shm_allreduce", "HPCDDP_SHM_ALLREDUCE", lambda c: _shm.arena(c),
+                     "shm arena", "ranks on several nodes, or no room in /dev/shm")
+_cma_state = _node_local("cma", "HPCDDP_CMA", lambda c: _cma.peers(c), "cma",
+                         "ranks on several nodes, or the kernel refuses")
 
 
 def _p2p_lists(comm) -> str:
