@@ -155,7 +155,8 @@ def test_demo_elastic(tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["accuracy"] >= 0.95 and r["test_samples"] == 359 and r["world_size"] == 2, r
     assert r["elastic"]["lost_ranks"] == [1]
-    assert "[rank0] [elastic] lost rank 1 at step" in out and "recovery " in out, out[-3000:]
+    assert "[rank0] [elastic] lost rank 1, training went on from step" in out, out[-3000:]
+    assert "recovery " in out
     assert "kill -> first completed step" in out
     # the same option, run as a one-rank job with no fault tolerance switched on
     res = subprocess.run(base + ["--no-launch"], capture_output=True, text=True, timeout=TIMEOUT,

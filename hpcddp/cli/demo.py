@@ -27,6 +27,10 @@ or under your launcher, on any number of ranks and nodes (no --nprocs then):
     mpirun -n 8 hpcddp demo --workdir /shared/demo
     srun --mpi=pmix hpcddp demo --workdir $SCRATCH/demo --stage-dest '$SLURM_TMPDIR/digits'
 
+With --elastic the job survives lost ranks (mpirun --with-ft ulfm; docs/elastic.md):
+
+    hpcddp demo --elastic --nprocs 3 --kill-rank 1 --kill-step 100
+
 Expect held-out accuracy of about 0.98 (0.9861 with the default seed) in under a minute on
 2 cores. The same seed and global batch give the same final parameters on any number of
 ranks (float64: to ~1e-12).

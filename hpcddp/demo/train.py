@@ -312,8 +312,9 @@ def _elastic_lines(state, started: int) -> list[str]:
         first = "" if rec.detect_to_step_s is None else \
             f", failure seen -> first completed step {rec.detect_to_step_s:.3f} s"
         out.append(f"[elastic] lost rank{'s' if len(rec.lost) > 1 else ''} "
-                   f"{', '.join(map(str, rec.lost))} at step {rec.step} (epoch {rec.epoch + 1}): "
-                   f"recovery {rec.seconds:.3f} s{first}{kill}; {rec.world_size} rank(s) went on")
+                   f"{', '.join(map(str, rec.lost))}, training went on from step {rec.step} "
+                   f"(epoch {rec.epoch + 1}) on {rec.world_size} rank(s): recovery "
+                   f"{rec.seconds:.3f} s{first}{kill}")
     out.append(f"[elastic] finished on {state.size} of {started} ranks")
     return out
 
