@@ -355,22 +355,9 @@ def _copy_file(sh: mf.Shard, path: str, sfd: int, partial: str, step: int, fsync
             off = 0
             use_sendfile = True
             while err is None and off < sh.bytes:
-                n = min(step, sh.bytes - off)
                 t = time.perf_counter()
-                k = 0
-                if use_sendfile:
-                    try:
-                        k = os.sendfile(dfd, sfd, off, n)
-                    except OSError as exc:
-                        if exc.errno not in (22, 38, 95):  # EINVAL/ENOSYS/EOPNOTSUPP
-                            raise
-                        use_sendfile = False
-                if not use_sendfile:
-                    data = os.pread(sfd, n, off)
-                    k = len(data)
-                    mv = memoryview(data)
-                    while mv:
-                        mv = mv[os.write(dfd, mv):]
+                k, use_sendfile = _copy_range(sfd, dfd, off, min(step, sh.bytes - off),
+                                              use_sendfile)
                 stats.write_s += time.perf_counter() - t
                 if k == 0:
                     err = (f"{sh.name}: the source shard is shorter than the "
@@ -388,6 +375,23 @@ def _copy_file(sh: mf.Shard, path: str, sfd: int, partial: str, step: int, fsync
     except OSError as exc:
         err = err or f"{sh.name}: copying to {partial}: {exc}"
     return err
+
+
+def _copy_range(sfd: int, dfd: int, off: int, n: int, use_sendfile: bool) -> tuple[int, bool]:
+    """Up to N bytes at OFF from SFD to DFD: (bytes copied, 0 at the source's end; whether
+    sendfile still works). The kernel copies where it can; file systems whose sendfile refuses
+    get a read and a write instead."""
+    if use_sendfile:
+        try:
+            return os.sendfile(dfd, sfd, off, n), True
+        except OSError as exc:
+            if exc.errno not in (22, 38, 95):  # EINVAL/ENOSYS/EOPNOTSUPP
+                raise
+    data = os.pread(sfd, n, off)
+    mv = memoryview(data)
+    while mv:
+        mv = mv[os.write(dfd, mv):]
+    return len(data), False
 
 
 def _verify_loop(q: queue.Queue, stats: CopyStats) -> None:
