@@ -177,13 +177,14 @@ def run_job(cfg: DemoConfig) -> dict:
     ckpt = _checkpointer(os.path.join(workdir, "checkpoints"), world)
     state = None
     if cfg.elastic:
-        if cfg.kill_rank is not None:
-            os.environ["HPCDDP_ELASTIC_KILL"] = f"{cfg.kill_rank}@{cfg.kill_step}:{cfg.kill_phase}"
+        kill = None if cfg.kill_rank is None else \
+            f"{cfg.kill_rank}@{cfg.kill_step}:{cfg.kill_phase}"
 
         def after_recovery(st):   # what the demo itself holds on the old world
             phases.comm = st.world.mpi
             ckpt._sync = type(ckpt._sync)(st.world)
-        state = elastic.State(model, opt, sampler, scheduler=sched, on_recovery=[after_recovery])
+        state = elastic.State(model, opt, sampler, scheduler=sched, on_recovery=[after_recovery],
+                              fault_injection=kill)
         ddp = state.model
     else:
         ddp = DDP(model)

@@ -96,11 +96,14 @@ class State:
             to rebuild your own subgroups; ``state.groups`` has the topology groups).
         topology_groups: build ``hpcddp.topology_groups()`` now and after each recovery.
         verbose: the new rank 0 prints one line per recovery.
+        fault_injection: ``"RANK@STEP[:PHASE],..."``: ranks that SIGKILL themselves (tests,
+            demos; hpcddp.elastic._inject). Default: HPCDDP_ELASTIC_KILL.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer, batch_sampler: ElasticBatchSampler,
                  *, scheduler=None, ddp_kwargs: dict | None = None, on_recovery=(),
-                 topology_groups: bool = False, verbose: bool = True):
+                 topology_groups: bool = False, verbose: bool = True,
+                 fault_injection: str | None = None):
         if not isinstance(batch_sampler, ElasticBatchSampler):
             raise TypeError(f"State: batch_sampler must be an hpcddp.elastic.ElasticBatchSampler, "
                             f"got {type(batch_sampler).__name__}")
@@ -128,8 +131,10 @@ class State:
         self._chunk = None
         self._failed_at = None
         self._first_step_after = None
-        self._kills = [k for k in _inject.parse(_inject.os.environ.get(_inject.ENV))
-                       if k[0] == self.original_rank]
+        if fault_injection is None:
+            from hpcddp import settings
+            fault_injection = settings.get().elastic_kill
+        self._kills = [k for k in _inject.parse(fault_injection) if k[0] == self.original_rank]
         optimizer.register_step_pre_hook(lambda *a: self._maybe_die("optimizer"))
         optimizer.register_step_post_hook(self._on_optimizer_step)
         if any(p == "forward" for _, _, p in self._kills):

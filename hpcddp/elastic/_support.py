@@ -7,8 +7,8 @@ ULFM (User-Level Failure Mitigation: ``MPIX_Comm_revoke``, ``MPIX_Comm_shrink``,
   under ``mpirun --with-ft ulfm`` (which sets ``OMPI_MCA_mpi_ft_enable=1`` in every rank) or
   with that MCA variable set for the job (``srun``: export it). Without it the runtime kills
   the whole job when one rank dies, before any survivor could react.
-- MPICH >= 4.1 with ULFM: its ULFM support is on by default (set ``HPCDDP_ELASTIC=force``
-  to skip the check on other ULFM-capable builds).
+- MPICH >= 4.1 with ULFM: its ULFM support is on by default. ``HPCDDP_ELASTIC=force``
+  skips the check (other ULFM-capable builds).
 
 Standard library plus mpi4py (through ``hpcddp.comm``): no torch.
 """
@@ -31,8 +31,10 @@ def support_problem(env=None) -> str | None:
     """Why elastic mode cannot run in this job, or None when it can."""
     from hpcddp.comm import startup
     from hpcddp.comm._mpi import MPI
+    from hpcddp import settings
+    s = settings.get() if env is None else settings.read(env)
     env = os.environ if env is None else env
-    if env.get(ENV_FORCE, "").strip().lower() == "force":
+    if s.elastic == "force":
         return None
     missing = [n for n in ("Revoke", "Shrink", "Agree", "Get_failed") if not hasattr(MPI.Comm, n)]
     if missing:
