@@ -4,9 +4,9 @@ ULFM (User-Level Failure Mitigation: ``MPIX_Comm_revoke``, ``MPIX_Comm_shrink``,
 ``MPIX_Comm_agree``) must be both built into the library and switched on for the job:
 
 - Open MPI >= 5.0 is built with it (``ompi_info``: "FT MPI support: yes") but runs it only
-  under ``mpirun --with-ft ulfm`` (which sets ``OMPI_MCA_mpi_ft_enable=1`` in every rank) or
-  with that MCA variable set for the job (``srun``: export it). Without it the runtime kills
-  the whole job when one rank dies, before any survivor could react.
+  under ``mpirun --with-ft ulfm`` (which sets ``OMPI_MCA_mpi_ft_enable=1`` in every rank), or
+  with that MCA variable set for the job. Without it the runtime kills the whole job when
+  one rank dies, before any survivor could react.
 - MPICH >= 4.1 with ULFM: its ULFM support is on by default. ``HPCDDP_ELASTIC=force``
   skips the check (other ULFM-capable builds).
 
@@ -45,8 +45,9 @@ def support_problem(env=None) -> str | None:
         if not _truthy(env.get("OMPI_MCA_mpi_ft_enable")):
             return ("Open MPI runs this job without fault tolerance, so one lost rank ends "
                     "the whole job: start it with `mpirun --with-ft ulfm ...` (what `hpcddp "
-                    "demo --elastic` does), or export OMPI_MCA_mpi_ft_enable=1 for srun, "
-                    "and use Open MPI >= 5.0 (`ompi_info | grep 'FT MPI support'` says yes)")
+                    "demo --elastic` does; in a Slurm job too, instead of srun: "
+                    "docs/elastic.md), with Open MPI >= 5.0 (`ompi_info | grep 'FT MPI "
+                    "support'` says yes)")
         return None
     if lib == "MPICH":
         return None
