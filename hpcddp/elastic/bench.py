@@ -31,6 +31,43 @@ def _model(width):
                                torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 2))
 
 
+def _loop_overhead(w, rounds: int) -> None:
+    """The elastic loop's own cost per step: both loops with no model work (an optimizer
+    step over one zero-lr parameter), fastest round of each (the least disturbed)."""
+    import torch
+
+    from hpcddp import elastic
+    n, b = 32000, 64
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 4), torch.zeros(n))
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    sampler = elastic.ElasticBatchSampler(n, b)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler)
+    state = elastic.State(model, opt, sampler, verbose=False)
+    plain = torch.utils.data.DataLoader(
+        ds, batch_size=b // w.size, drop_last=True,
+        sampler=torch.utils.data.DistributedSampler(ds, w.size, w.rank, drop_last=True))
+
+    def plain_loop():
+        t = time.perf_counter()
+        for _ in plain:
+            opt.step()
+        return (time.perf_counter() - t) / len(plain)
+
+    def elastic_loop():
+        t = time.perf_counter()
+        for _ in state.epochs(state.epoch + 1):
+            for _ in state.batches(loader):
+                with state.step():
+                    opt.step()
+        return (time.perf_counter() - t) / sampler.steps_per_epoch
+    best = [min(x) for x in zip(*[(plain_loop(), elastic_loop()) for _ in range(rounds)])]
+    if w.rank == 0:
+        print(f"[rank0] loop alone, fastest of {rounds} rounds: plain {best[0] * 1e6:.1f} us "
+              f"per step, elastic {best[1] * 1e6:.1f} us per step (+{(best[1] - best[0]) * 1e6:.1f} "
+              f"us)", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hpcddp.elastic.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,6 +136,7 @@ def main(argv=None) -> int:
         print(f"[rank0] {w.size} ranks, {args.steps} steps of {args.batch} per round, "
               f"{args.rounds} rounds: elastic/plain steps/s median {ratio:.3f} "
               f"(cost {100 * (1 - ratio):+.1f}%)", flush=True)
+    _loop_overhead(w, args.rounds)
     import torch.distributed as dist
     dist.destroy_process_group()
     return 0
