@@ -191,6 +191,10 @@ VARS: tuple[Var, ...] = (
     Var("HPCDDP_CMA", _path_mode, "auto", "0, 1/auto, force",
         "large broadcasts on one node by cross-memory attach (auto: where a race finds it "
         "faster than MPI)", "benchmarks.md"),
+    Var("HPCDDP_HIER", _path_mode, "auto", "0, 1/auto, force",
+        "large all_reduce across nodes in two levels: shared memory inside a node, each byte "
+        "across nodes once (auto: where a start-up race finds it faster than MPI)",
+        "multinode-testing.md"),
     Var("HPCDDP_FASTPATH", _path_mode, "auto", "0, 1/auto, force",
         "repeat calls run in the C module (0: the Python hit)", "benchmarks.md"),
     Var("HPCDDP_LIST_P2P_MAX_RANKS", _positive_int, 8, "ranks",

@@ -207,6 +207,16 @@ def test_topology_and_collectives_2x2(cluster):
     assert moved > 16 << 20, f"only {moved} bytes crossed node2's link"
 
 
+def test_hierarchical_all_reduce_2x2(cluster):
+    """The same checks with the two-level all_reduce forced (HPCDDP_HIER=force): shared memory
+    inside each node, TCP between them, results equal to numpy's."""
+    res = mpirun("node1:2,node2:2", ["python", str(JOBS / "job_collectives.py")],
+                 extra=("-x", "HPCDDP_HIER=force"))
+    ok(res, "job_collectives.py with HPCDDP_HIER=force")
+    assert res.stdout.count("hierarchical all_reduce open") == 4, res.stdout
+    assert res.stdout.count("vcluster-collectives ok") == 4, res.stdout
+
+
 def test_ddp_matches_one_process_2x2(cluster):
     res = mpirun("node1:2,node2:2", ["python", str(JOBS / "job_ddp.py")])
     ok(res, "job_ddp.py")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from hpcddp.collectives import _cma
+from hpcddp.collectives import _hier
 from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
 from hpcddp.collectives._plans import ALL_GATHER, xhit as _xhit
@@ -33,6 +34,11 @@ def broadcast(tensor, src, group=None, async_op=False):
     entry = record(comm, "broadcast", tensor.shape, tensor.dtype, src)
     if _cma.usable(comm, arr.nbytes):  # ranks of one node: the copy split between them
         _cma.peers(comm).broadcast(arr, src, _mismatch.agreement(comm, entry))
+        record_end(entry)
+        return CompletedWork([tensor]) if async_op else None
+    if _hier.usable(comm, arr.nbytes) and not _large.too_big(arr):   # several nodes
+        _hier.agree(comm, entry)
+        _hier.hier(comm).broadcast(arr, src)
         record_end(entry)
         return CompletedWork([tensor]) if async_op else None
     # The blocking MPI call, with or without async_op: MPI never matches a blocking collective
@@ -71,6 +77,11 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     entry = record(comm, "all_gather", input_tensor.shape, input_tensor.dtype)
     if _large.too_big(out):  # over MPI's count limit: broadcasts in pieces
         return finish_or_work(async_op, entry, _large.allgather(comm, inp, out), [output_tensor])
+    if _hier.usable(comm, out.nbytes):   # several nodes
+        _hier.agree(comm, entry)
+        _hier.hier(comm).all_gather(inp, out)
+        record_end(entry)
+        return CompletedWork([output_tensor]) if async_op else None
     # The blocking MPI call, with or without async_op, as all_reduce and broadcast do: a
     # blocking collective never matches a non-blocking one on another rank, so it must be the
     # same call either way; and Open MPI's blocking Allgather is faster than Iallgather + Wait

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hpcddp import settings
-from hpcddp.collectives import _cma, _lists, _node, _plans, _shm
+from hpcddp.collectives import _cma, _hier, _lists, _node, _plans, _shm
 from hpcddp.diagnostics.mismatch import AGREE_BYTES
 
 
@@ -68,6 +68,10 @@ _cma_state = _node_local("cma", "HPCDDP_CMA", lambda c: _cma.peers(c), "cma",
                          "ranks on several nodes, or the kernel refuses")
 
 
+_hier_state = _node_local("hier", "HPCDDP_HIER", lambda c: _hier.hier(c), "hier",
+                          "one node, or nodes with different numbers of the group's ranks")
+
+
 def _p2p_lists(comm) -> str:
     limit = _lists._MAX_RANKS
     return "open" if 1 < comm.size <= limit else \
@@ -79,6 +83,8 @@ PLAN = Path("plan hit", "the same tensors as a call before, blocking, "
 DEVICE = Path("device", "CUDA tensors", _device)
 ARENA = Path("shm arena", f"SUM/AVG/PREMUL_SUM, non-bool, from {_mib(_shm.MIN_BYTES)}", _arena)
 LISTS = Path("point-to-point", "the list form", _p2p_lists)
+HIER = Path("hierarchical", "several nodes, the same number of ranks on each, from "
+            f"{_mib(_hier.MIN_BYTES)}", _hier_state)
 PIECES = "MPI pieces", "over MPI's count limit of 2^31-1 elements"
 
 
@@ -89,14 +95,16 @@ def _mpi(call: str, pieces: bool = True) -> tuple:
 
 PATHS: dict[str, tuple[Path, ...]] = {
     "all_reduce": (Path("plan hit", f"SUM of a tensor reduced before, below {_mib(AGREE_BYTES)}",
-                        _plan_hit), DEVICE, ARENA) + _mpi("Allreduce"),
-    "broadcast": (DEVICE, Path("CMA", f"from {_mib(_cma.MIN_BYTES)}", _cma_state))
+                        _plan_hit), DEVICE, ARENA,
+                   HIER) + _mpi("Allreduce"),
+    "broadcast": (DEVICE, Path("CMA", f"from {_mib(_cma.MIN_BYTES)}", _cma_state), HIER)
     + _mpi("Bcast"),
     "reduce": (DEVICE,) + _mpi("Reduce"),
     "reduce_scatter": (DEVICE, ARENA, LISTS) + _mpi("Reduce_scatter_block", pieces=False),
-    "reduce_scatter_tensor": (DEVICE, ARENA) + _mpi("Reduce_scatter_block", pieces=False),
+    "reduce_scatter_tensor": (DEVICE, ARENA, HIER) + _mpi("Reduce_scatter_block",
+                                                          pieces=False),
     "all_gather": (PLAN, DEVICE, LISTS) + _mpi("Allgather"),
-    "all_gather_into_tensor": (DEVICE,) + _mpi("Allgather"),
+    "all_gather_into_tensor": (DEVICE, HIER) + _mpi("Allgather"),
     "gather": (DEVICE,) + _mpi("Gather(v)"),
     "scatter": (DEVICE,) + _mpi("Scatter(v)"),
     "all_to_all": (PLAN, DEVICE, LISTS) + _mpi("Ialltoallv", pieces=False),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hpcddp.collectives import _hier
 from hpcddp.collectives import _large
 from hpcddp.collectives import _shm
 from hpcddp.collectives import _lists
@@ -44,6 +45,13 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
     if _shm.usable(comm, arr.nbytes, tensor.dtype, kind):
         pre_reduce(tensor, op, kind)
         _shm.arena(comm).all_reduce(tensor.view(-1), _mismatch.agreement(comm, entry, kind))
+        post_reduce(tensor, kind, comm.size)
+        record_end(entry)
+        return CompletedWork([tensor]) if async_op else None
+    if _hier.usable(comm, arr.nbytes) and not _large.too_big(arr):   # several nodes
+        _hier.agree(comm, entry, kind)
+        pre_reduce(tensor, op, kind)
+        _hier.hier(comm).all_reduce(arr, mop)
         post_reduce(tensor, kind, comm.size)
         record_end(entry)
         return CompletedWork([tensor]) if async_op else None
@@ -131,6 +139,16 @@ def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
         c = output.numel()
         return _shm_reduce_scatter(output, [flat[j * c:(j + 1) * c] for j in range(comm.size)],
                                    op, kind, comm, async_op, entry)
+    if _hier.usable(comm, inp.nbytes):   # several nodes
+        _hier.agree(comm, entry, kind)
+        if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
+            input = input.clone()
+            pre_reduce(input, op, kind)
+            inp = as_array(input)
+        _hier.hier(comm).reduce_scatter(inp, out, mop)
+        post_reduce(output, kind, comm.size)
+        record_end(entry)
+        return CompletedWork([output]) if async_op else None
     return _reduce_scatter_mpi(output, input, inp, out, op, mop, kind, comm, async_op, entry)
 
 

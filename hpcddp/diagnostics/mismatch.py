@@ -196,6 +196,11 @@ class CallHash:
         """Every rank, once all have seen the hashes differ: raise the same error."""
         _disagree(self._comm, self._entry, self._row)
 
+    def agree(self) -> None:
+        """The agreement by message, for a path with no synchronisation of its own to carry
+        the hash (one 16-byte Allreduce on the private duplicate; raises as refuse)."""
+        _agree(self._comm, self._entry, self._row)
+
 
 def agreement(comm, entry, red=None):
     """ENTRY's CallHash, for a node-local path to compare in a synchronisation it makes anyway

@@ -172,6 +172,11 @@ hosts = check_topology()
 check_node_traffic_stays_in_the_node(hosts)
 for n in (7, 1 << 18):
     check_collectives(n)
+if os.environ.get("HPCDDP_HIER") == "force":   # the 2 MiB all_reduces above ran in two levels
+    from hpcddp.collectives import paths
+    state = [r["state"] for r in paths.table(hpcddp.world()) if r["path"] == "hierarchical"][0]
+    assert state == "open", state
+    print(f"[rank{rank}] hierarchical all_reduce open", flush=True)
 objs = [None] * size
 dist.all_gather_object(objs, {"rank": rank, "host": hosts[rank]})
 assert objs == [{"rank": r, "host": hosts[r]} for r in range(size)]

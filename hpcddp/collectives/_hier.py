@@ -1,0 +1,156 @@
+"""Large all_reduce, reduce_scatter, all_gather and broadcast across nodes, hierarchically:
+inside a node in shared memory, across nodes once per byte.
+
+Why: MPI's flat algorithms treat the ranks of a node as strangers. A ring over node1, node1,
+node2, node2 crosses between the nodes twice, each crossing carrying 2(P-1)/P of the buffer
+(P ranks); recursive doubling sends the whole buffer across nodes from every rank. When the
+network is the bottleneck, the bytes that cross it set the time. NCCL, oneCCL and Open MPI's
+coll/han split the work by node instead, as here (N nodes of L ranks, S bytes)::
+
+    1. reduce_scatter inside the node (MPI on the node's communicator: shared memory):
+       local rank l holds the node's sum of slice l (S / L)
+    2. all_reduce slice l with local rank l of every other node (the "cross" communicator
+       of local rank l): L streams at once, each node's link carries 2(N-1)/N x S in all
+    3. all_gather inside the node (shared memory): every rank holds the whole sum
+
+Every element is reduced in the same order on every rank (step 1's, then step 2's), so all
+ranks end with the same bits. The other ops follow the same split (the tensor forms:
+reduce_scatter_tensor, all_gather_into_tensor):
+
+- reduce_scatter: reduce_scatter inside the node, local rank l getting the node's sums of the
+  blocks of every node's local rank l; then reduce_scatter of those among the nodes.
+- all_gather: all_gather among the nodes (each rank with its counterparts), then inside the
+  node; one copy puts the blocks in rank order.
+- broadcast: the root's counterparts receive it across nodes, then each node's copy is
+  broadcast inside the node. Used for groups that span several nodes with the same number
+(>= 2) of ranks on each, from MIN_BYTES, for the reduce ops MPI has (AVG and PREMUL_SUM run
+as SUM, scaled around it as on every path). ``HPCDDP_HIER=0`` turns it off, ``force`` skips
+the start-up race against MPI's own Allreduce, ``auto`` (the default) keeps it only where
+that race finds it faster (docs/multinode-testing.md has the measurements).
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from hpcddp import settings
+from hpcddp.collectives import _node
+from hpcddp.comm._mpi import MPI
+from hpcddp.diagnostics import mismatch as _mismatch
+
+MIN_BYTES = 1 << 20
+PROBE_BYTES = 8 << 20
+MODE = settings.get().hier
+
+_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicator -> Hier|None
+
+
+def usable(comm, nbytes: int) -> bool:
+    """Whether an all_reduce of NBYTES on COMM should take this path (the same answer on every
+    rank of COMM)."""
+    return MODE != "0" and nbytes >= MIN_BYTES and comm.size > 3 and hier(comm) is not None
+
+
+def agree(comm, entry, red=None) -> None:
+    """The call agreement (diagnostics.mismatch) where the op below AGREE_BYTES has not had it:
+    these paths have no synchronisation of their own to carry the hash."""
+    check = _mismatch.agreement(comm, entry, red)
+    if check is not None:
+        check.agree()
+
+
+def hier(comm):
+    """COMM's node layout, made on first use (collective), or None where the group is on one
+    node, its nodes hold different numbers of its ranks, or MPI measured faster."""
+    return _node.per_group(_groups, comm, Hier.make)
+
+
+class Hier:
+    def __init__(self, comm, node, cross, where):
+        self.comm = comm
+        self.node = node          # mpi4py: the group's ranks on my node (rank: local index)
+        self.cross = cross        # mpi4py: my counterparts on every node (rank: node index)
+        self.where = where        # group rank -> (node index, local index)
+        n_nodes = cross.Get_size()
+        # blocks in (local index, node index) order -> rank order, and back
+        self.to_ranks = np.array([l * n_nodes + k for k, l in where])
+        self.from_ranks = np.argsort(self.to_ranks)
+
+    @classmethod
+    def make(cls, comm):
+        from hpcddp.comm import startup
+        mpi = comm.mpi
+        # the job's nodes (real hosts, or emulated: HPCDDP_RANKS_PER_NODE), as topology found
+        nodes = mpi.allgather(startup.get_topology().node)
+        per_node: dict = {}
+        for n in nodes:
+            per_node[n] = per_node.get(n, 0) + 1
+        sizes = set(per_node.values())
+        if len(per_node) < 2 or len(sizes) != 1 or sizes.pop() < 2:
+            return None
+        index = {n: i for i, n in enumerate(sorted(per_node))}
+        seen: dict = {}
+        where = []                      # (node index, local index) of each group rank
+        for n in nodes:
+            where.append((index[n], seen.get(n, 0)))
+            seen[n] = seen.get(n, 0) + 1
+        k, l = where[comm.rank]
+        node = mpi.Split(color=k, key=comm.rank)
+        cross = mpi.Split(color=l, key=k)
+        h = cls(comm, node, cross, where)
+        if MODE != "force" and not h.faster_than_mpi():
+            node.Free()
+            cross.Free()
+            return None
+        return h
+
+    def faster_than_mpi(self) -> bool:
+        """Race this path against MPI's Allreduce (collective; the same answer on every rank)."""
+        arr = np.ones(PROBE_BYTES // 4, np.float32)
+        mpi = self.comm.mpi
+        return _node.race("hier (all_reduce 8 MiB)", self.comm,
+                          lambda: self.all_reduce(arr, MPI.SUM),
+                          lambda: mpi.Allreduce(MPI.IN_PLACE, arr, MPI.SUM))
+
+    def all_reduce(self, arr: np.ndarray, op) -> None:
+        """Reduce ARR (a contiguous 1-D view of the tensor) with the MPI op OP, in place."""
+        node, L = self.node, self.node.Get_size()
+        total = arr.size
+        bounds = [total * j // L for j in range(L + 1)]
+        counts = [bounds[j + 1] - bounds[j] for j in range(L)]
+        me = node.Get_rank()
+        mine = arr[bounds[me]:bounds[me + 1]]
+        # 1. my slice of the node's sum (into a copy: MPI's reduce_scatter takes no IN_PLACE
+        #    for a part of its own send buffer)
+        part = np.empty_like(mine)
+        node.Reduce_scatter(arr, part, counts, op)
+        # 2. my slice of everyone's sum, with my counterparts on the other nodes
+        self.cross.Allreduce(MPI.IN_PLACE, part, op)
+        # 3. every slice from the node's ranks
+        mine[...] = part
+        node.Allgatherv(MPI.IN_PLACE, [arr, (counts, bounds[:-1])])
+
+    def reduce_scatter(self, inp: np.ndarray, out: np.ndarray, op) -> None:
+        """Rank r gets op over ranks of INP's r-th block (n blocks of OUT's size) in OUT."""
+        c = out.size
+        blocks = inp.reshape(-1, c)[self.from_ranks].reshape(-1)     # (local, node) order
+        part = np.empty(c * self.cross.Get_size(), dtype=out.dtype)
+        self.node.Reduce_scatter_block(blocks, part, op)
+        self.cross.Reduce_scatter_block(part, out, op)
+
+    def all_gather(self, inp: np.ndarray, out: np.ndarray) -> None:
+        """Every rank's INP, in rank order, in OUT."""
+        c = inp.size
+        mine = np.empty(c * self.cross.Get_size(), dtype=inp.dtype)
+        self.cross.Allgather(inp, mine)
+        blocks = np.empty(out.size, dtype=out.dtype)                  # (local, node) order
+        self.node.Allgather(mine, blocks)
+        out.reshape(-1, c)[...] = blocks.reshape(-1, c)[self.to_ranks]
+
+    def broadcast(self, arr: np.ndarray, root: int) -> None:
+        """ARR from group rank ROOT to every rank."""
+        k, l = self.where[root]
+        if self.node.Get_rank() == l:
+            self.cross.Bcast(arr, root=k)
+        self.node.Bcast(arr, root=l)

@@ -1,0 +1,137 @@
+"""The hierarchical all_reduce (hpcddp.collectives._hier) on emulated nodes of 2 ranks: every
+reduce op and dtype against numpy, counts that do not split evenly, the same bits on every
+rank, and the groups it must refuse (one node; nodes of different sizes). The arena and CMA
+are off: on one real host they would take these calls first. tests/test_vcluster.py runs it on real
+nodes (separate hosts, TCP between them)."""
+from __future__ import annotations
+
+import os
+import weakref
+
+os.environ["HPCDDP_RANKS_PER_NODE"] = "2"    # read by init: nodes of 2 ranks
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import hpcddp  # noqa: E402
+from hpcddp import collectives as C  # noqa: E402
+from hpcddp.collectives import _cma, _hier, _shm, paths  # noqa: E402
+from hpcddp.diagnostics.mismatch import CollectiveMismatchError  # noqa: E402
+
+MPI_SIZES = (2, 3, 4)
+
+
+@pytest.fixture(autouse=True)
+def forced(monkeypatch):
+    monkeypatch.setattr(_shm, "MODE", "0")
+    monkeypatch.setattr(_cma, "MODE", "0")
+    monkeypatch.setattr(_hier, "MODE", "force")
+    monkeypatch.setattr(_hier, "_groups", weakref.WeakKeyDictionary())
+
+
+@pytest.fixture(scope="module")
+def world():
+    return hpcddp.world()
+
+
+def spy(monkeypatch):
+    calls = []
+    real = _hier.Hier.all_reduce
+    monkeypatch.setattr(_hier.Hier, "all_reduce",
+                        lambda self, arr, op: calls.append(arr.size) or real(self, arr, op))
+    return calls
+
+
+def data(rank: int, count: int, dtype) -> np.ndarray:
+    rng = np.random.default_rng(100 + rank)
+    return rng.integers(-50, 50, count).astype(dtype)
+
+
+OPS = {"SUM": (dist.ReduceOp.SUM, lambda xs: np.sum(xs, axis=0)),
+       "MAX": (dist.ReduceOp.MAX, lambda xs: np.max(xs, axis=0)),
+       "MIN": (dist.ReduceOp.MIN, lambda xs: np.min(xs, axis=0)),
+       "AVG": (dist.ReduceOp.AVG, lambda xs: np.sum(xs, axis=0) / len(xs))}
+
+
+@pytest.mark.parametrize("opname", sorted(OPS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+def test_matches_numpy(world, opname, dtype, monkeypatch):
+    if opname == "AVG" and dtype is np.int64:
+        pytest.skip("AVG is defined for floating dtypes only (as in torch)")
+    calls = spy(monkeypatch)
+    op, ref = OPS[opname]
+    count = (1 << 20) // np.dtype(dtype).itemsize + 13     # >= 1 MiB, not a multiple of 2
+    t = torch.from_numpy(data(world.rank, count, dtype))
+    C.all_reduce(t, op=op)
+    expected = ref([data(r, count, dtype) for r in range(world.size)]).astype(dtype)
+    assert np.array_equal(t.numpy(), expected) if dtype is np.int64 else \
+        np.allclose(t.numpy(), expected, rtol=1e-6)
+    # the same bits on every rank
+    bits = world.mpi.allgather(t.numpy().tobytes())
+    assert all(b == bits[0] for b in bits)
+    used = world.size == 4          # 2 nodes x 2 ranks; 2 ranks: one node; 3: nodes of 2 and 1
+    assert (calls == [count]) == used, (world.size, calls)
+    state = [r["state"] for r in paths.table(world) if r["path"] == "hierarchical"][0]
+    assert (state == "open") == used, state
+
+
+def test_small_calls_stay_on_mpi(world, monkeypatch):
+    calls = spy(monkeypatch)
+    t = torch.ones((512 << 10) // 4)
+    C.all_reduce(t)
+    assert torch.equal(t, torch.full_like(t, world.size)) and calls == []
+
+
+def test_a_count_mismatch_is_refused_on_every_rank(world):
+    if world.size != 4:
+        pytest.skip("the hierarchical path runs at 2 nodes x 2 ranks")
+    count = (2 << 20) // 4 - (1000 if world.rank == 3 else 0)
+    t = torch.ones(count)
+    with pytest.raises(CollectiveMismatchError, match="The culprit: rank 3"):
+        C.all_reduce(t)
+    assert torch.equal(t, torch.ones(count))      # untouched
+    C.all_reduce(torch.ones(4))                    # the group is still in step
+
+
+def groups(world):
+    """The world, and the same ranks numbered node by node alternately (group rank 1 on the
+    other node than group rank 0): the blocks must still come back in group-rank order."""
+    from hpcddp.comm import Communicator
+    interleaved = {0: 0, 2: 1, 1: 2, 3: 3}.get(world.rank, world.rank)
+    return [("world", None), ("interleaved", Communicator(
+        world.mpi.Split(color=0, key=interleaved), "interleaved"))]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64])
+def test_reduce_scatter_all_gather_broadcast_match_numpy(world, dtype, monkeypatch):
+    used = []
+    for name in ("reduce_scatter", "all_gather", "broadcast"):
+        real = getattr(_hier.Hier, name)
+        monkeypatch.setattr(_hier.Hier, name,
+                            lambda self, *a, _n=name, _r=real: used.append(_n) or _r(self, *a))
+    for label, group in groups(world):
+        n = world.size
+        me = group.rank if group is not None else world.rank
+        c = (1 << 20) // np.dtype(dtype).itemsize // n + 5      # >= 1 MiB in all
+        every = [data(r, c * n, dtype) for r in range(n)]        # rank r's input, by group rank
+        out = torch.zeros(c, dtype=torch.from_numpy(every[0]).dtype)
+        C.reduce_scatter_tensor(out, torch.from_numpy(every[me].copy()), group=group)
+        expected = np.sum(every, axis=0)[me * c:(me + 1) * c]
+        assert np.array_equal(out.numpy(), expected), (label, "reduce_scatter_tensor")
+
+        big = torch.zeros(c * n, dtype=out.dtype)
+        C.all_gather_into_tensor(big, torch.from_numpy(every[me][:c].copy()), group=group)
+        assert np.array_equal(big.numpy(), np.concatenate([e[:c] for e in every])), \
+            (label, "all_gather_into_tensor")
+
+        for root in range(n):
+            t = torch.from_numpy(every[me].copy())
+            C.broadcast(t, root, group=group)
+            assert np.array_equal(t.numpy(), every[root]), (label, "broadcast", root)
+    if world.size == 4:
+        assert used.count("reduce_scatter") == used.count("all_gather") == 2, used
+        assert used.count("broadcast") == 8, used
+    else:
+        assert used == [], used
