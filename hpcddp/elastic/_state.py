@@ -302,7 +302,9 @@ class State:
                 self._restore(src)
                 lap("restore")
                 break
-            except MPI.Exception as exc:
+            except Exception as exc:
+                # torch's errors count too (a TCPStore whose new host died): what decides is
+                # whether the new world has lost a process
                 if not is_process_failure(exc, new):
                     raise
                 comm = new            # another rank was lost while recovering: again
