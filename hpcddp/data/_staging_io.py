@@ -172,8 +172,9 @@ class Sink:
                         t = time.perf_counter()
                         st.hasher.update(slot.buf[start:start + n])
                         self.hash_s += time.perf_counter() - t
-                except OSError as exc:
-                    st.error = st.error or f"{st.shard.name}: writing {st.partial}: {exc}"
+                except Exception as exc:   # the shard fails; the thread keeps the slots flowing
+                    what = "" if isinstance(exc, OSError) else f"{type(exc).__name__}: "
+                    st.error = st.error or f"{st.shard.name}: writing {st.partial}: {what}{exc}"
                 if last:
                     if status:
                         st.reader_status = status
@@ -225,6 +226,11 @@ class Sink:
 
 # -- the read side ----------------------------------------------------------------------------
 
+class _ReaderFailed:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
 class Reader(threading.Thread):
     """Reads planned pieces of source shards into pool slots, in order, one chunk ahead.
 
@@ -261,6 +267,9 @@ class Reader(threading.Thread):
                     self._status.setdefault(s, f"the source shard is shorter than the manifest's "
                                                f"{self.shards[s].bytes} bytes (truncated?)")
                 self.out.put((slot, s, off, n, last, self._status.get(s) if last else None))
+        except BaseException as exc:   # the main thread waits on `out`: it must hear of it
+            self.out.put(_ReaderFailed(exc))
+            raise
         finally:
             if fh is not None:
                 fh.close()
@@ -282,8 +291,12 @@ class Reader(threading.Thread):
         return got
 
     def next(self):
-        """The next (slot, shard, offset, nbytes, last, status), in plan order."""
+        """The next (slot, shard, offset, nbytes, last, status), in plan order; raises what
+        ended the reading thread, if it failed (not waiting forever for an item)."""
         item = self.out.get()
+        if isinstance(item, _ReaderFailed):
+            raise RuntimeError(f"stage: the thread reading the source failed: "
+                               f"{type(item.exc).__name__}: {item.exc}") from item.exc
         self.ahead.release()
         return item
 
