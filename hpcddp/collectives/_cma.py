@@ -144,9 +144,10 @@ class Peers:
         return _node.race("cma (broadcast 24 MiB)", self.comm, lambda: self.broadcast(arr, 0),
                           lambda: mpi.Bcast(arr, root=0))
 
-    def broadcast(self, arr: np.ndarray, root: int, check=None) -> None:
+    def broadcast(self, arr: np.ndarray, root: int, check=None) -> bool:
         """ARR (contiguous, this rank's tensor's memory) from group rank ROOT to every rank.
-        CHECK: the call's hash (diagnostics.mismatch.agreement) or None."""
+        CHECK: the call's hash (diagnostics.mismatch.agreement) or None. False (on every
+        rank, before any copy) where the ranks' calls differ."""
         comm = self.comm
         mpi, n = comm.mpi, comm.size
         nbytes = arr.nbytes
@@ -154,11 +155,11 @@ class Peers:
         mine[0], mine[1], mine[2] = arr.ctypes.data, nbytes, 0 if check is None else check.value
         mpi.Allgather(mine, self.table)
         # the same table everywhere: every rank takes the same branch below
-        if check is not None and (self.table[:, 2] != mine[2]).any():
-            check.refuse()
+        if check is not None and self.table[:, 2].tolist().count(mine[2]) != n:
+            return False
         if (self.table[:, 1] != nbytes).any():  # unchecked (detail mode checked it already)
             mpi.Bcast(arr, root=root)           # sizes differ: MPI reports it, as it always did
-            return
+            return True
         cut = [nbytes * j // n // ALIGN * ALIGN for j in range(n)] + [nbytes]
         try:
             ok = self._copy_parts(root, cut)
@@ -169,6 +170,7 @@ class Peers:
         if not self.ok[0]:
             _peers[comm] = None                 # every rank saw the failure: all stop alike
             mpi.Bcast(arr, root=root)
+        return True
 
     def _copy_parts(self, root: int, cut: list) -> bool:
         """This rank's share of the copies (root: part i into receiver i; receiver r: every

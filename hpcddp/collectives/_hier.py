@@ -57,7 +57,7 @@ def agree(comm, entry, red=None) -> None:
     these paths have no synchronisation of their own to carry the hash."""
     check = _mismatch.agreement(comm, entry, red)
     if check is not None:
-        check.agree()
+        check.agree(entry)
 
 
 def hier(comm):

@@ -42,7 +42,6 @@ import os
 import secrets
 import weakref
 
-import numpy as np
 import torch
 
 from hpcddp import settings
@@ -88,18 +87,16 @@ class Arena:
         self.bytes = torch.frombuffer(mem, dtype=torch.uint8)
         # after the n x n slots: each rank's hash of the call it is making (see _agreed)
         n = comm.size
-        lines = np.frombuffer(mem, dtype=np.int64, count=n * CALL_LINE // 8,
-                              offset=n * n * slot)
-        self.calls = lines[::CALL_LINE // 8]
+        words = memoryview(mem)[n * n * slot:].cast("q")     # int64s: plain Python indexing
+        self.calls = words[::CALL_LINE // 8]
 
-    def _agreed(self, check) -> None:
+    def _agreed(self, check) -> bool:
         """Called right after the first barrier of a call, for which every rank wrote the hash
-        of its call (op, sequence number, count, dtype, reduce op) into its line: raise on
-        every rank if they differ. Every rank reads the same lines, so all raise or none; a
-        line is not written again before every rank has read it (the next call's write comes
-        after this call's last barrier, which every rank passes only after this read)."""
-        if self.calls.tolist().count(check.value) != self.comm.size:
-            check.refuse()
+        of its call (op, count, dtype, reduce op) into its line: whether they are all the
+        same. Every rank reads the same lines, so all answer alike; a line is not written
+        again before every rank has read it (the next call's write comes after this call's
+        last barrier, which every rank passes only after this read)."""
+        return self.calls.tolist().count(check.value) == self.comm.size
 
     def faster_than_mpi(self) -> bool:
         """Race the arena against MPI's Allreduce (collective; the same answer on every rank)."""
@@ -156,10 +153,11 @@ class Arena:
             return None
         return a
 
-    def all_reduce(self, flat: torch.Tensor, check=None) -> None:
+    def all_reduce(self, flat: torch.Tensor, check=None) -> bool:
         """SUM FLAT (1-D, contiguous, CPU) in place across the group. CHECK: the call's hash
         (diagnostics.mismatch.agreement) or None; ranks compare it after the first barrier,
-        when each has written only its own row, before any reads another's or writes FLAT."""
+        when each has written only its own row, before any reads another's or writes FLAT.
+        False (on every rank, FLAT untouched) where the ranks' calls differ."""
         comm = self.comm
         n, r, barrier = comm.size, comm.rank, comm.mpi.Barrier
         stage = self.bytes.view(flat.dtype)
@@ -176,7 +174,8 @@ class Arena:
             if check is not None and off == 0:
                 self.calls[r] = check.value
                 barrier()                                        # 2.
-                self._agreed(check)
+                if not self._agreed(check):
+                    return False
             else:
                 barrier()                                        # 2.
             k = b[r + 1] - b[r]
@@ -194,8 +193,9 @@ class Arena:
                 if j != r:
                     d = (j * n + j) * cap
                     flat[b[j]:b[j + 1]].copy_(stage[d:d + b[j + 1] - b[j]])
+        return True
 
-    def reduce_scatter(self, blocks: list, out: torch.Tensor, check=None) -> None:
+    def reduce_scatter(self, blocks: list, out: torch.Tensor, check=None) -> bool:
         """SUM BLOCKS[j] (n flat tensors of out's size, one per rank) across the group: rank r
         gets the sum of everyone's BLOCKS[r] in OUT (flat). Steps 1-3 of all_reduce, with the
         op's own partition (block j to rank j) instead of an even split of each chunk; CHECK
@@ -214,7 +214,8 @@ class Arena:
             if check is not None and o == 0:
                 self.calls[r] = check.value
                 barrier()
-                self._agreed(check)
+                if not self._agreed(check):
+                    return False
             else:
                 barrier()
             ins = [blocks[r][o:o + k] if i == r else stage[(i * n + r) * cap:(i * n + r) * cap + k]
@@ -224,3 +225,4 @@ class Arena:
             for x in ins[2:]:
                 dst.add_(x)
             barrier()  # nobody overwrites a slot before its reader is done with it
+        return True

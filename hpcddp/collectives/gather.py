@@ -33,7 +33,9 @@ def broadcast(tensor, src, group=None, async_op=False):
         return _device.broadcast(tensor, src, comm, async_op)
     entry = record(comm, "broadcast", tensor.shape, tensor.dtype, src)
     if _cma.usable(comm, arr.nbytes):  # ranks of one node: the copy split between them
-        _cma.peers(comm).broadcast(arr, src, _mismatch.agreement(comm, entry))
+        check = _mismatch.agreement(comm, entry)
+        if not _cma.peers(comm).broadcast(arr, src, check):
+            check.refuse(entry)
         record_end(entry)
         return CompletedWork([tensor]) if async_op else None
     if _hier.usable(comm, arr.nbytes) and not _large.too_big(arr):   # several nodes

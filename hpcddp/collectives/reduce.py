@@ -44,7 +44,9 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
     entry = record(comm, "all_reduce", tensor.shape, tensor.dtype, red=kind)
     if _shm.usable(comm, arr.nbytes, tensor.dtype, kind):
         pre_reduce(tensor, op, kind)
-        _shm.arena(comm).all_reduce(tensor.view(-1), _mismatch.agreement(comm, entry, kind))
+        check = _mismatch.agreement(comm, entry, kind)
+        if not _shm.arena(comm).all_reduce(tensor.view(-1), check):
+            check.refuse(entry)
         post_reduce(tensor, kind, comm.size)
         record_end(entry)
         return CompletedWork([tensor]) if async_op else None
@@ -190,8 +192,9 @@ def _shm_reduce_scatter(output, blocks, op, kind, comm, async_op, entry):
         blocks = [b.clone() for b in blocks]
         for b in blocks:
             pre_reduce(b, op, kind)
-    _shm.arena(comm).reduce_scatter(blocks, output.view(-1),
-                                    _mismatch.agreement(comm, entry, kind))
+    check = _mismatch.agreement(comm, entry, kind)
+    if not _shm.arena(comm).reduce_scatter(blocks, output.view(-1), check):
+        check.refuse(entry)
     post_reduce(output, kind, comm.size)
     record_end(entry)
     return CompletedWork([output]) if async_op else None

@@ -161,9 +161,13 @@ except ImportError:          # the diagnostics read reports without torch too
 
 
 def _agree_row(op: str, seq: int, count: int, dtype, red, peer) -> list:
-    return [_op_codes.get(op) or _code(op, OPS), seq, count,
-            _dtype_codes.get(dtype) or _code(str(dtype).replace("torch.", ""), DTYPES),
-            -1 if red is None else int(red), -1 if peer is None else int(peer)]
+    oc = _op_codes.get(op)
+    if oc is None:
+        oc = _op_codes[op] = _code(op, OPS)
+    dc = _dtype_codes.get(dtype)
+    if dc is None:
+        dc = _dtype_codes[dtype] = _code(str(dtype).replace("torch.", ""), DTYPES)
+    return [oc, seq, count, dc, -1 if red is None else int(red), -1 if peer is None else int(peer)]
 
 
 def _count(shape) -> int:
@@ -185,21 +189,32 @@ def agreed_start(comm, op: str, shape=None, dtype=None, peer=None, red=None) -> 
 
 
 class CallHash:
-    """A call's hash for a node-local path to compare across ranks (it has its own
-    synchronisation to carry it: no message of the check's own)."""
-    __slots__ = ("value", "_comm", "_entry", "_row")
+    """A call's hash for a node-local path to compare across ranks in a synchronisation it
+    makes anyway (no message of the check's own). It covers op, element count, dtype, reduce
+    op and root, not the sequence number, so one object serves every call of the same kind
+    (made once: the hot path pays a dict lookup)."""
+    __slots__ = ("value", "_comm", "_row")
 
-    def __init__(self, value: int, comm, entry, row: list):
-        self.value, self._comm, self._entry, self._row = value, comm, entry, row
+    def __init__(self, comm, row: list):
+        self._comm, self._row = comm, row           # row: _agree_row's, SEQ left at 0
+        self.value = hash(tuple(row)) & 0x3FFFFFFFFFFFFFFF
 
-    def refuse(self) -> None:
+    def _with_seq(self, entry) -> list:
+        row = list(self._row)
+        row[A_SEQ] = entry[_rec.SEQ]
+        return row
+
+    def refuse(self, entry) -> None:
         """Every rank, once all have seen the hashes differ: raise the same error."""
-        _disagree(self._comm, self._entry, self._row)
+        _disagree(self._comm, entry, self._with_seq(entry))
 
-    def agree(self) -> None:
+    def agree(self, entry) -> None:
         """The agreement by message, for a path with no synchronisation of its own to carry
         the hash (one 16-byte Allreduce on the private duplicate; raises as refuse)."""
-        _agree(self._comm, self._entry, self._row)
+        _agree(self._comm, entry, self._with_seq(entry))
+
+
+_hashes: dict = {}    # (comm uid, op, shape, dtype, reduce op, root) -> CallHash
 
 
 def agreement(comm, entry, red=None):
@@ -207,12 +222,20 @@ def agreement(comm, entry, red=None):
     (the arena's first barrier, the CMA broadcast's address exchange), or None where nothing
     is left to check: the call was agreed on by agreed_start already, or
     HPCDDP_DEBUG=detail compared it."""
-    shape, dtype = entry[_rec.SHAPE], entry[_rec.DTYPE]
-    count = _count(shape)
-    if _DETAIL or count * dtype.itemsize >= AGREE_BYTES:
+    if _DETAIL:
         return None
-    row = _agree_row(entry[_rec.OP], entry[_rec.SEQ], count, dtype, red, entry[_rec.PEER])
-    return CallHash(hash(tuple(row)) & 0x3FFFFFFFFFFFFFFF, comm, entry, row)
+    key = (comm.uid, entry[_rec.OP], entry[_rec.SHAPE], entry[_rec.DTYPE], red, entry[_rec.PEER])
+    check = _hashes.get(key)
+    if check is None:
+        shape, dtype = entry[_rec.SHAPE], entry[_rec.DTYPE]
+        count = shape.numel() if type(shape) is _Size else _count(shape)
+        if count * dtype.itemsize >= AGREE_BYTES:
+            return None
+        if len(_hashes) >= 4096:
+            _hashes.clear()
+        check = _hashes[key] = CallHash(comm, _agree_row(entry[_rec.OP], 0, count, dtype, red,
+                                                         entry[_rec.PEER]))
+    return check
 
 
 _DETAIL = _cfg.detail_enabled()   # read once, as hpcddp.collectives picks its record()
