@@ -37,6 +37,8 @@ FLAGS = {
     "--mpi": ("mpi", str, "srun --mpi plugin: pmix (default) or pmi2"),
     "--signal-lead": ("signal_lead", int, "seconds before the time limit to checkpoint "
                                           "and requeue (default 120)"),
+    "--elastic": ("elastic", "bool", "survive a lost rank: the script uses hpcddp.elastic and "
+                                     "runs under mpirun --with-ft ulfm (docs/elastic.md)"),
     "--stage-src": ("stage_src", str, "stage-then-train: data set on the shared filesystem"),
     "--stage-dest": ("stage_dest", str, "stage-then-train: node-local destination "
                                         "(default $SCRATCH/data)"),
@@ -53,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, (dest, typ, text) in FLAGS.items():
         if typ == "list":
             parser.add_argument(flag, dest=dest, action="append", default=None, help=text)
+        elif typ == "bool":
+            parser.add_argument(flag, dest=dest, action="store_true", default=None, help=text)
         else:
             parser.add_argument(flag, dest=dest, type=typ, default=None, help=text)
     parser.add_argument("--dry-run", action="store_true",

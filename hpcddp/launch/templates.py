@@ -34,7 +34,8 @@ class TemplateError(ValueError):
 
 @dataclass(frozen=True)
 class Option:
-    kind: str        # "int", "int0" (>= 0), "str", "time", "name", "path", "shellpath", "list"
+    kind: str        # "int", "int0" (>= 0), "bool", "str", "time", "name", "path", "shellpath",
+    #                  "list"
     help: str
     default: Any = None
 
@@ -59,6 +60,9 @@ OPTIONS: dict[str, Option] = {
                           "family); see the comments in the script", "pmix"),
     "signal_lead": Option("int", "seconds before the time limit that Slurm sends USR1 "
                                  "(checkpoint, then requeue)", 120),
+    "elastic": Option("bool", "survive a lost rank (hpcddp.elastic, ULFM): the training step "
+                              "runs under `mpirun --with-ft ulfm` in the allocation, since "
+                              "Slurm ends an srun step when one of its tasks dies", False),
     "stage_src": Option("shellpath", "data set on the shared filesystem to stage "
                                      "(shell variables allowed)", "$SLURM_SUBMIT_DIR/data"),
     "stage_dest": Option("shellpath", "where the staged copy goes on each node "
@@ -71,7 +75,7 @@ OPTIONS: dict[str, Option] = {
 }
 
 COMMON = ("job_name", "nodes", "tasks_per_node", "gpus", "cpus_per_task", "time", "partition",
-          "account", "output", "script", "args", "setup", "mpi", "signal_lead")
+          "account", "output", "script", "args", "setup", "mpi", "signal_lead", "elastic")
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,15 @@ def _check(template: str, options: Mapping[str, Any]) -> dict:
 
 def _coerce(template: str, key: str, value: Any):
     kind = OPTIONS[key].kind
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off", ""):
+            return False
+        raise _fail(template, f"{key} must be true or false, got {value!r}")
     if kind in ("int", "int0"):
         try:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
@@ -387,6 +400,18 @@ run_step "${SRUN[@]}" hpcddp run "$SCRIPT" "${ARGS[@]}"
 echo "[job] $(date +%T) done"
 """
 
+_TRAIN_ELASTIC = """\
+# Train, surviving a lost rank (elastic: the script uses hpcddp.elastic; docs/elastic.md).
+# Not srun: Slurm's PMIx plugin ends a step as soon as one of its tasks dies, whatever
+# --kill-on-bad-exit=0 and --no-kill say. Open MPI's own launcher inside this allocation reads
+# the node list from Slurm, starts its daemons through it, and with --with-ft ulfm lets the
+# survivors go on (MPICH: mpiexec -disable-auto-cleanup).
+echo "[job] $(date +%T) training (elastic): $SCRIPT ${ARGS[*]}"
+run_step mpirun --with-ft ulfm -n "$SLURM_NTASKS" --map-by "ppr:${SLURM_NTASKS_PER_NODE}:node" \\
+    python "$SCRIPT" "${ARGS[@]}"
+echo "[job] $(date +%T) done"
+"""
+
 _CPU_NOTE = """\
 # CPU ranks: --cpu-bind=cores pins each rank to its own core(s) so the OS does not migrate busy
 # ranks (MPI polls while it waits). Pick tasks-per-node = cores per node / cpus-per-task.
@@ -458,7 +483,8 @@ def render(template: str, **options) -> str:
         body += "\n" + _STAGE
     if array:
         body += "\n" + _SWEEP
-    text = text + "\n" + body + ("\n" if body else "") + _TRAIN
+    text = text + "\n" + body + ("\n" if body else "") + (_TRAIN_ELASTIC if v["elastic"]
+                                                          else _TRAIN)
     return _fill(text, subst)
 
 

@@ -341,3 +341,26 @@ def test_help_lists_run_and_submit(hpcddp):
     res = hpcddp("--help")
     assert res.returncode == 0, res.stderr
     assert re.search(r"\brun\b", res.stdout) and re.search(r"\bsubmit\b", res.stdout)
+
+
+@pytest.mark.parametrize("name", ["single-node-ddp", "multi-node-ddp", "stage-then-train",
+                                  "cpu-mpi"])
+def test_elastic_option_trains_under_mpirun_with_ulfm(name, tmp_path):
+    plain, elastic = render(name), render(name, elastic=True)
+    assert "--with-ft ulfm" not in plain and "hpcddp run" in plain
+    train = elastic[elastic.index("# Train, surviving a lost rank"):]
+    assert 'run_step mpirun --with-ft ulfm -n "$SLURM_NTASKS"' in train
+    assert "srun" not in train.split("# survivors go on")[-1]     # the step itself: no srun
+    assert render(name, elastic="yes") == elastic and render(name, elastic=0) == plain
+    script = tmp_path / "job.sbatch"
+    script.write_text(elastic)
+    res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    with pytest.raises(TemplateError, match="elastic must be true or false, got 'maybe'"):
+        render(name, elastic="maybe")
+
+
+def test_submit_elastic_flag(tmp_path, hpcddp):
+    res = hpcddp("submit", "multi-node-ddp", "--elastic", "--dry-run", "train.py")
+    assert res.returncode == 0, res.stderr
+    assert "mpirun --with-ft ulfm" in res.stdout and "hpcddp run" not in res.stdout
