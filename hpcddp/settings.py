@@ -100,7 +100,7 @@ def _whole(minimum: int, what: str) -> Callable[[str, str], int]:
     return parse
 
 
-_positive_int = _whole(1, "a positive whole number")
+_positive_int = _whole(1, "a positive integer")
 _bytes = _whole(0, "a whole number of bytes >= 0")
 
 
