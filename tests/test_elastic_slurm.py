@@ -28,13 +28,18 @@ pytestmark = pytest.mark.timeout(600)
 def batch(out: pathlib.Path) -> str:
     """The single-node-ddp template with elastic=True (what `hpcddp submit single-node-ddp
     --elastic` writes), running the test's training script on 3 ranks."""
-    return render("single-node-ddp", elastic=True, job_name="hpcddp-elastic", tasks_per_node=3,
+    text = render("single-node-ddp", elastic=True, job_name="hpcddp-elastic", tasks_per_node=3,
                   gpus=0, cpus_per_task=1, time="5", output=f"{out}/elastic-%j.out",
                   script=str(SCRIPT), args=[str(out)],
                   setup=[f". {shlex.quote(sys.prefix)}/bin/activate",
                          "export HPCDDP_ELASTIC_KILL=1@5:backward",
                          # the local test cluster runs jobs as root
                          "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"])
+    # the local cluster's nodes have 2 CPUs: 3 ranks are overcommitted (sbatch --overcommit),
+    # which mpirun accepts only when told (a real job asks for no more ranks than cores)
+    step = "run_step mpirun --with-ft ulfm"
+    assert step in text
+    return text.replace(step, "run_step mpirun --oversubscribe --with-ft ulfm")
 
 
 @needs_ulfm
