@@ -68,14 +68,20 @@ _op_codes: dict = {}
 _dtype_codes: dict = {None: 0}
 
 
-def _fp(op: str, seq: int, shape=None, dtype=None, peer=None, red=None) -> list:
-    """The fingerprint as K Python ints (the hot path of the check: no numpy)."""
+def _codes(op: str, dtype) -> tuple:
+    """(op code, dtype code), each computed once per process."""
     oc = _op_codes.get(op)
     if oc is None:
         oc = _op_codes[op] = _code(op, OPS)
     dc = _dtype_codes.get(dtype)
     if dc is None:
         dc = _dtype_codes[dtype] = _code(str(dtype).replace("torch.", ""), DTYPES)
+    return oc, dc
+
+
+def _fp(op: str, seq: int, shape=None, dtype=None, peer=None, red=None) -> list:
+    """The fingerprint as K Python ints (the hot path of the check: no numpy)."""
+    oc, dc = _codes(op, dtype)
     fp = [oc, seq, dc, -1 if peer is None else int(peer), -1, 0, 0, 0, 0, 0, 0, 0,
           -1 if red is None else int(red)]
     if shape is not None and op not in SHAPE_FREE:
@@ -161,12 +167,7 @@ except ImportError:          # the diagnostics read reports without torch too
 
 
 def _agree_row(op: str, seq: int, count: int, dtype, red, peer) -> list:
-    oc = _op_codes.get(op)
-    if oc is None:
-        oc = _op_codes[op] = _code(op, OPS)
-    dc = _dtype_codes.get(dtype)
-    if dc is None:
-        dc = _dtype_codes[dtype] = _code(str(dtype).replace("torch.", ""), DTYPES)
+    oc, dc = _codes(op, dtype)
     return [oc, seq, count, dc, -1 if red is None else int(red), -1 if peer is None else int(peer)]
 
 
