@@ -14,8 +14,9 @@ from hpcddp.collectives import _lists
 from hpcddp.collectives import _plans
 from hpcddp.collectives._plans import A2A_SINGLE, ALL_TO_ALL, xhit as _xhit
 from hpcddp.collectives._common import (as_array, as_arrays, check_list, finish_or_work,
-                                        record, resolve)
+                                        record, record_end, resolve)
 from hpcddp.collectives import _device
+from hpcddp.collectives.paths import Call, route, take
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.comm._mpi import MPI
 
@@ -81,18 +82,34 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     rank's INPUT, concatenated in rank order.
     """
     fn = "all_to_all_single"
-    # hot path: the same blocking even-blocks call again (hpcddp.collectives._plans)
+    # the plan-hit row: the same blocking even-blocks call again (hpcddp.collectives._plans)
     if not async_op and (input_split_sizes is None or len(input_split_sizes) == 0) \
             and (output_split_sizes is None or len(output_split_sizes) == 0) \
             and _xhit(A2A_SINGLE, (output, input), group):
         return None
     comm = resolve(group, fn)
+    call = Call()
+    call.comm, call.group, call.async_op = comm, group, async_op
+    call.output, call.input = output, input
     try:
         out = as_array(output, fn, "output")
         inp = as_array(input, fn, "input")
-    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
-        return _device.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                         comm, async_op)
+    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): the device path checks
+        call.device, call.nbytes = True, 0
+        call.extra = (output_split_sizes, input_split_sizes)
+    else:
+        call.device, call.nbytes = False, inp.nbytes
+        call.out, call.inp = out, inp
+        call.extra = _layout(output, input, out, inp, output_split_sizes, input_split_sizes,
+                             group, comm)   # (counts, displacements) both ways
+        call.entry = record(comm, "all_to_all", input.shape, input.dtype)
+    return take(_ALL_TO_ALL_SINGLE, call)
+
+
+def _layout(output, input, out, inp, output_split_sizes, input_split_sizes, group, comm):
+    """(send counts, send displacements, receive counts, receive displacements), validated;
+    an even-blocks call seen twice is planned."""
+    fn = "all_to_all_single"
     if input.dtype != output.dtype:
         raise TypeError(f"{fn}: output has dtype {output.dtype}, expected {input.dtype} (input's)")
     n, r = comm.size, comm.rank
@@ -113,29 +130,40 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                 _even.clear()
             c = inp.size // n
             layout = _even[(n, inp.size)] = ([c] * n, [c * j for j in range(n)])
-        scounts, sdis = rcounts, rdis = layout
+        counts = (*layout, *layout)
     else:
         layout = None
-        scounts, sdis, rcounts, rdis = v_layout(output, input, output_split_sizes,
-                                                input_split_sizes, n, r, fn)
+        counts = v_layout(output, input, output_split_sizes, input_split_sizes, n, r, fn)
     if inp.size and output.data_ptr() == input.data_ptr():
         raise ValueError(f"{fn}: output and input are the same memory; an all-to-all reads "
                          f"input while it writes output: pass separate tensors")
     if layout is not None and inp.size and _plans.worth_planning(A2A_SINGLE, (output, input)):
         _plan_even(output, input, group, comm, out, inp, layout)
-    entry = record(comm, "all_to_all", input.shape, input.dtype)
+    return counts
+
+
+def _all_to_all_single_device(c: Call):
+    return _device.all_to_all_single(c.output, c.input, *c.extra, c.comm, c.async_op)
+
+
+def _all_to_all_single_mpi(c: Call):
     # MPI_Alltoallv on every rank, even splits or not: each rank knows only its own splits,
     # and MPI_Alltoall on a rank with even ones against MPI_Alltoallv on a peer with uneven
     # ones is erroneous MPI (Open MPI's happen to match; another MPI or collective component
     # need not). Its cost over Ialltoall is in docs/benchmarks.md.
-    req = comm.mpi.Ialltoallv([inp, (scounts, sdis)], [out, (rcounts, rdis)])
-    return finish_or_work(async_op, entry, [req], [output])
+    scounts, sdis, rcounts, rdis = c.extra
+    req = c.comm.mpi.Ialltoallv([c.inp, (scounts, sdis)], [c.out, (rcounts, rdis)])
+    return finish_or_work(c.async_op, c.entry, [req], [c.output])
+
+
+_ALL_TO_ALL_SINGLE = route("all_to_all_single", device=_all_to_all_single_device,
+                           mpi=_all_to_all_single_mpi)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
     """Send INPUT_TENSOR_LIST[j] to rank j; receive rank j's into OUTPUT_TENSOR_LIST[j]."""
     fn = "all_to_all"
-    # hot path: the same blocking call on the same tensors again (hpcddp.collectives._plans)
+    # the plan-hit row: the same blocking call on the same tensors again (collectives._plans)
     if not async_op and type(output_tensor_list) in _lists.SEQUENCES \
             and type(input_tensor_list) in _lists.SEQUENCES and output_tensor_list \
             and _xhit(ALL_TO_ALL, (*output_tensor_list, *input_tensor_list), group):
@@ -145,31 +173,54 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     check_list(input_tensor_list, n, fn, "input_tensor_list")
     check_list(output_tensor_list, n, fn, "output_tensor_list")
     ref = input_tensor_list[0]
+    call = Call()
+    call.comm, call.group, call.async_op = comm, group, async_op
+    call.output, call.input = output_tensor_list, input_tensor_list
     try:
         as_array(ref, fn, "input_tensor_list[0]")
     except DeviceTensor:
-        return _device.all_to_all(output_tensor_list, input_tensor_list, comm, async_op)
-    ins = as_arrays(input_tensor_list, ref, fn, "input_tensor_list", same_shape=False)
-    outs = as_arrays(output_tensor_list, ref, fn, "output_tensor_list", same_shape=False)
-    if _lists.use_p2p(comm):  # zero-copy: each block straight from/into its tensor
-        entry = record(comm, "all_to_all", ref.shape, ref.dtype)
-        return _lists.all_to_all(output_tensor_list, input_tensor_list, outs, ins, comm,
-                                 async_op, entry, group)
+        call.device, call.nbytes = True, 0
+    else:
+        call.device, call.nbytes = False, 0     # the rows below MPI's have no size threshold
+        call.inp = as_arrays(input_tensor_list, ref, fn, "input_tensor_list", same_shape=False)
+        call.out = as_arrays(output_tensor_list, ref, fn, "output_tensor_list",
+                             same_shape=False)
+        call.extra = 0                          # blocks of any size
+        call.entry = record(comm, "all_to_all", ref.shape, ref.dtype)
+    return take(_ALL_TO_ALL, call)
+
+
+def _all_to_all_device(c: Call):
+    return _device.all_to_all(c.output, c.input, c.comm, c.async_op)
+
+
+def _all_to_all_lists(c: Call):   # zero-copy: each block straight from/into its tensor
+    return _lists.all_to_all(c.output, c.input, c.out, c.inp, c.comm, c.async_op, c.entry,
+                             c.group)
+
+
+def _all_to_all_mpi(c: Call):
+    output_tensor_list, input_tensor_list = c.output, c.input
+    n = c.comm.size
     flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
-    flat_out = torch.empty(sum(t.numel() for t in output_tensor_list), dtype=ref.dtype)
+    flat_out = torch.empty(sum(t.numel() for t in output_tensor_list), dtype=flat_in.dtype)
     scounts = [t.numel() for t in input_tensor_list]
     rcounts = [t.numel() for t in output_tensor_list]
     sdis = [sum(scounts[:i]) for i in range(n)]
     rdis = [sum(rcounts[:i]) for i in range(n)]
-    if max(flat_in.numel(), flat_out.numel()) > _large.MAX_COUNT:
-        _large.refuse(fn, "input_tensor_list/output_tensor_list",
+    if max(flat_in.numel(), flat_out.numel()) > _large.MAX_COUNT:    # before any message
+        record_end(c.entry)
+        _large.refuse("all_to_all", "input_tensor_list/output_tensor_list",
                       max(flat_in.numel(), flat_out.numel()))
-    entry = record(comm, "all_to_all", ref.shape, ref.dtype)
-    req = comm.mpi.Ialltoallv([as_array(flat_in), (scounts, sdis)],
-                              [as_array(flat_out), (rcounts, rdis)])
+    req = c.comm.mpi.Ialltoallv([as_array(flat_in), (scounts, sdis)],
+                                [as_array(flat_out), (rcounts, rdis)])
 
     def finish():
-        for t, off, c in zip(output_tensor_list, rdis, rcounts):
-            t.view(-1).copy_(flat_out[off:off + c])
-    return finish_or_work(async_op, entry, [req], list(output_tensor_list), finish,
+        for t, off, k in zip(output_tensor_list, rdis, rcounts):
+            t.view(-1).copy_(flat_out[off:off + k])
+    return finish_or_work(c.async_op, c.entry, [req], list(output_tensor_list), finish,
                           keep=(flat_in, flat_out))
+
+
+_ALL_TO_ALL = route("all_to_all", device=_all_to_all_device, lists=_all_to_all_lists,
+                    mpi=_all_to_all_mpi)

@@ -16,82 +16,140 @@ from hpcddp.collectives._plans import ALL_GATHER, xhit as _xhit
 from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, check_list,
                                         finish_or_work, record, record_end, resolve, same_spec)
 from hpcddp.collectives import _device
+from hpcddp.collectives.paths import Call, route, take
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.diagnostics import mismatch as _mismatch
 
+
+def _one(fn: str, tensor, group, async_op, root_arg: str | None = None, root=None) -> Call:
+    """The Call of an op on one tensor (and, ROOT_ARG, a root rank), validated."""
+    comm = resolve(group, fn)
+    if root_arg is not None:
+        comm.check_rank(root, fn, root_arg)
+    call = Call()
+    call.comm, call.group, call.async_op, call.tensor, call.root = (comm, group, async_op,
+                                                                    tensor, root)
+    try:
+        call.arr = as_array(tensor, fn, "tensor")
+    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): the device path checks
+        call.device, call.nbytes = True, 0
+    else:
+        call.device, call.nbytes = False, call.arr.nbytes
+    return call
+
+
+# -- broadcast ---------------------------------------------------------------------------------
 
 def broadcast(tensor, src, group=None, async_op=False):
     """Copy TENSOR from group rank SRC to every rank of the group, in place.
 
     Rank SRC holds x before; every rank holds x after.
     """
-    comm = resolve(group, "broadcast")
-    comm.check_rank(src, "broadcast", "src")
-    try:
-        arr = as_array(tensor, "broadcast", "tensor")
-    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
-        return _device.broadcast(tensor, src, comm, async_op)
-    entry = record(comm, "broadcast", tensor.shape, tensor.dtype, src)
-    if _cma.usable(comm, arr.nbytes):  # ranks of one node: the copy split between them
-        check = _mismatch.agreement(comm, entry)
-        if not _cma.peers(comm).broadcast(arr, src, check):
-            check.refuse(entry)
-        record_end(entry)
-        return CompletedWork([tensor]) if async_op else None
-    if _hier.usable(comm, arr.nbytes) and not _large.too_big(arr):   # several nodes
-        _hier.agree(comm, entry)
-        _hier.hier(comm).broadcast(arr, src)
-        record_end(entry)
-        return CompletedWork([tensor]) if async_op else None
+    call = _one("broadcast", tensor, group, async_op, "src", src)
+    if not call.device:
+        call.entry = record(call.comm, "broadcast", tensor.shape, tensor.dtype, src)
+    return take(_BROADCAST, call)
+
+
+def _broadcast_device(c: Call):
+    return _device.broadcast(c.tensor, c.root, c.comm, c.async_op)
+
+
+def _broadcast_cma(c: Call):   # ranks of one node: the copy split between them
+    check = _mismatch.agreement(c.comm, c.entry)
+    if not _cma.peers(c.comm).broadcast(c.arr, c.root, check):
+        check.refuse(c.entry)
+    record_end(c.entry)
+    return CompletedWork([c.tensor]) if c.async_op else None
+
+
+def _broadcast_hier(c: Call):
+    _hier.agree(c.comm, c.entry)
+    _hier.hier(c.comm).broadcast(c.arr, c.root)
+    record_end(c.entry)
+    return CompletedWork([c.tensor]) if c.async_op else None
+
+
+def _broadcast_mpi(c: Call):
     # The blocking MPI call, with or without async_op: MPI never matches a blocking collective
     # on one rank with a non-blocking one on another, and torch code mixes them for one
-    # broadcast. async_op: a completed Work (reduce.all_reduce says more).
+    # broadcast. async_op: a completed Work (reduce._all_reduce_mpi says more).
     try:
-        comm.mpi.Bcast(arr, root=src)
+        c.comm.mpi.Bcast(c.arr, root=c.root)
     except _large.REFUSED:  # over MPI's count limit: pieces (costs nothing until then)
-        if not _large.too_big(arr):
+        if not _large.too_big(c.arr):
             raise
-        _large.bcast_now(comm, arr, src)
-    record_end(entry)
-    if not async_op:
-        return None
-    return CompletedWork([tensor])
+        _large.bcast_now(c.comm, c.arr, c.root)
+    record_end(c.entry)
+    return CompletedWork([c.tensor]) if c.async_op else None
 
+
+_BROADCAST = route("broadcast", device=_broadcast_device, cma=_broadcast_cma,
+                   hier=_broadcast_hier, mpi=_broadcast_mpi)
+
+
+# -- all_gather_into_tensor --------------------------------------------------------------------
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     """Concatenate every rank's INPUT_TENSOR into OUTPUT_TENSOR (rank order) on every rank.
 
     output_tensor: n * input.numel() elements (n stacked or concatenated blocks).
     """
-    comm = resolve(group, "all_gather_into_tensor")
+    fn = "all_gather_into_tensor"
+    comm = resolve(group, fn)
+    call = Call()
+    call.comm, call.group, call.async_op = comm, group, async_op
+    call.output, call.input = output_tensor, input_tensor
     try:
-        out = as_array(output_tensor, "all_gather_into_tensor", "output_tensor")
-        inp = as_array(input_tensor, "all_gather_into_tensor", "input_tensor")
+        out = as_array(output_tensor, fn, "output_tensor")
+        inp = as_array(input_tensor, fn, "input_tensor")
     except DeviceTensor:
-        return _device.all_gather_into_tensor(output_tensor, input_tensor, comm, async_op)
-    if output_tensor.dtype != input_tensor.dtype:
-        raise TypeError(f"all_gather_into_tensor: output_tensor has dtype {output_tensor.dtype}, "
-                        f"expected {input_tensor.dtype} (input_tensor's)")
-    if output_tensor.numel() != input_tensor.numel() * comm.size:
-        raise ValueError(f"all_gather_into_tensor: output_tensor has {output_tensor.numel()} "
-                         f"elements, expected {input_tensor.numel() * comm.size} (input's "
-                         f"{input_tensor.numel()} x group size {comm.size})")
-    entry = record(comm, "all_gather", input_tensor.shape, input_tensor.dtype)
-    if _large.too_big(out):  # over MPI's count limit: broadcasts in pieces
-        return finish_or_work(async_op, entry, _large.allgather(comm, inp, out), [output_tensor])
-    if _hier.usable(comm, out.nbytes):   # several nodes
-        _hier.agree(comm, entry)
-        _hier.hier(comm).all_gather(inp, out)
-        record_end(entry)
-        return CompletedWork([output_tensor]) if async_op else None
+        call.device, call.nbytes = True, 0
+    else:
+        if output_tensor.dtype != input_tensor.dtype:
+            raise TypeError(f"{fn}: output_tensor has dtype {output_tensor.dtype}, expected "
+                            f"{input_tensor.dtype} (input_tensor's)")
+        if output_tensor.numel() != input_tensor.numel() * comm.size:
+            raise ValueError(f"{fn}: output_tensor has {output_tensor.numel()} elements, "
+                             f"expected {input_tensor.numel() * comm.size} (input's "
+                             f"{input_tensor.numel()} x group size {comm.size})")
+        call.device, call.nbytes = False, out.nbytes
+        call.out, call.inp = out, inp
+        call.arr = out                          # the hierarchical row's count test
+        call.entry = record(comm, "all_gather", input_tensor.shape, input_tensor.dtype)
+    return take(_ALL_GATHER_INTO_TENSOR, call)
+
+
+def _all_gather_into_tensor_device(c: Call):
+    return _device.all_gather_into_tensor(c.output, c.input, c.comm, c.async_op)
+
+
+def _all_gather_into_tensor_hier(c: Call):
+    _hier.agree(c.comm, c.entry)
+    _hier.hier(c.comm).all_gather(c.inp, c.out)
+    record_end(c.entry)
+    return CompletedWork([c.output]) if c.async_op else None
+
+
+def _all_gather_into_tensor_mpi(c: Call):
+    if _large.too_big(c.out):  # over MPI's count limit: broadcasts in pieces
+        return finish_or_work(c.async_op, c.entry, _large.allgather(c.comm, c.inp, c.out),
+                              [c.output])
     # The blocking MPI call, with or without async_op, as all_reduce and broadcast do: a
     # blocking collective never matches a non-blocking one on another rank, so it must be the
     # same call either way; and Open MPI's blocking Allgather is faster than Iallgather + Wait
     # at mid sizes (docs/benchmarks.md). async_op: a completed Work.
-    comm.mpi.Allgather(inp, out)
-    record_end(entry)
-    return CompletedWork([output_tensor]) if async_op else None
+    c.comm.mpi.Allgather(c.inp, c.out)
+    record_end(c.entry)
+    return CompletedWork([c.output]) if c.async_op else None
 
+
+_ALL_GATHER_INTO_TENSOR = route("all_gather_into_tensor", device=_all_gather_into_tensor_device,
+                                hier=_all_gather_into_tensor_hier,
+                                mpi=_all_gather_into_tensor_mpi)
+
+
+# -- all_gather --------------------------------------------------------------------------------
 
 def _scatter_copy(flat: torch.Tensor, outputs) -> None:
     off = 0
@@ -103,62 +161,89 @@ def _scatter_copy(flat: torch.Tensor, outputs) -> None:
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     """Every rank's TENSOR into TENSOR_LIST (one tensor per rank, rank order), on every rank."""
-    # hot path: the same blocking call on the same tensors again (hpcddp.collectives._plans)
+    # the plan-hit row: the same blocking call on the same tensors again (collectives._plans)
     if not async_op and type(tensor_list) in _lists.SEQUENCES \
             and _xhit(ALL_GATHER, (tensor, *tensor_list), group):
         return None
-    comm = resolve(group, "all_gather")
-    try:
-        send = as_array(tensor, "all_gather", "tensor")
-    except DeviceTensor:
-        return _device.all_gather(tensor_list, tensor, comm, async_op)
-    check_list(tensor_list, comm.size, "all_gather", "tensor_list")
-    views = as_arrays(tensor_list, tensor, "all_gather", "tensor_list", same_shape=False)
-    for i, v in enumerate(views):
-        if v.size != send.size:
-            raise ValueError(f"all_gather: tensor_list[{i}] has {v.size} elements, expected "
-                             f"{send.size} (tensor's; every rank sends the same size)")
-    if _lists.use_p2p(comm, send.size):  # zero-copy: each block straight into its tensor
-        entry = record(comm, "all_gather", tensor.shape, tensor.dtype)
-        return _lists.all_gather(tensor_list, tensor, views, send, comm, async_op, entry,
-                                 group)
-    flat = torch.empty(tensor.numel() * comm.size, dtype=tensor.dtype)
-    entry = record(comm, "all_gather", tensor.shape, tensor.dtype)
-    reqs = (_large.allgather(comm, as_array(tensor), as_array(flat)) if _large.too_big(flat)
-            else [comm.mpi.Iallgather(as_array(tensor), as_array(flat))])
-    return finish_or_work(async_op, entry, reqs, list(tensor_list),
+    fn = "all_gather"
+    call = _one(fn, tensor, group, async_op)
+    call.tensors = tensor_list
+    if not call.device:
+        send, comm = call.arr, call.comm
+        check_list(tensor_list, comm.size, fn, "tensor_list")
+        call.views = as_arrays(tensor_list, tensor, fn, "tensor_list", same_shape=False)
+        for i, v in enumerate(call.views):
+            if v.size != send.size:
+                raise ValueError(f"{fn}: tensor_list[{i}] has {v.size} elements, expected "
+                                 f"{send.size} (tensor's; every rank sends the same size)")
+        call.extra = send.size                  # one block, the same on every rank
+        call.entry = record(comm, "all_gather", tensor.shape, tensor.dtype)
+    return take(_ALL_GATHER, call)
+
+
+def _all_gather_device(c: Call):
+    return _device.all_gather(c.tensors, c.tensor, c.comm, c.async_op)
+
+
+def _all_gather_lists(c: Call):   # zero-copy: each block straight into its tensor
+    return _lists.all_gather(c.tensors, c.tensor, c.views, c.arr, c.comm, c.async_op, c.entry,
+                             c.group)
+
+
+def _all_gather_mpi(c: Call):
+    tensor, tensor_list = c.tensor, c.tensors
+    flat = torch.empty(tensor.numel() * c.comm.size, dtype=tensor.dtype)
+    reqs = (_large.allgather(c.comm, c.arr, as_array(flat)) if _large.too_big(flat)
+            else [c.comm.mpi.Iallgather(c.arr, as_array(flat))])
+    return finish_or_work(c.async_op, c.entry, reqs, list(tensor_list),
                           lambda: _scatter_copy(flat, tensor_list), keep=flat)
 
+
+_ALL_GATHER = route("all_gather", device=_all_gather_device, lists=_all_gather_lists,
+                    mpi=_all_gather_mpi)
+
+
+# -- gather, scatter ---------------------------------------------------------------------------
 
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
     """Every rank's TENSOR into GATHER_LIST on group rank DST (rank order).
 
     gather_list: n tensors shaped like TENSOR on DST; None (or []) on the other ranks.
     """
-    comm = resolve(group, "gather")
-    comm.check_rank(dst, "gather", "dst")
-    try:
-        as_array(tensor, "gather", "tensor")
-    except DeviceTensor:
-        return _device.gather(tensor, gather_list, dst, comm, async_op)
-    if comm.rank == dst:
-        check_list(gather_list, comm.size, "gather", "gather_list")
-        same_spec(gather_list, tensor, "gather", "gather_list")
-        flat = torch.empty(tensor.numel() * comm.size, dtype=tensor.dtype)
-        entry = record(comm, "gather", tensor.shape, tensor.dtype, dst)
-        reqs = (_large.gather(comm, as_array(tensor), as_array(flat), dst)
-                if _large.too_big(flat) else
-                [comm.mpi.Igather(as_array(tensor), as_array(flat), root=dst)])
-        return finish_or_work(async_op, entry, reqs, list(gather_list),
-                              lambda: _scatter_copy(flat, gather_list), keep=flat)
-    if gather_list:
-        raise ValueError(f"gather: gather_list must be None or empty on rank {comm.rank}, which "
-                         f"is not the destination (dst={dst})")
-    entry = record(comm, "gather", tensor.shape, tensor.dtype, dst)
-    reqs = (_large.gather(comm, as_array(tensor), None, dst)
-            if _large.too_big(as_array(tensor), comm.size) else
-            [comm.mpi.Igather(as_array(tensor), None, root=dst)])
-    return finish_or_work(async_op, entry, reqs, [])  # gloo: no outputs off the root
+    fn = "gather"
+    call = _one(fn, tensor, group, async_op, "dst", dst)
+    call.tensors = gather_list
+    if not call.device:
+        comm = call.comm
+        if comm.rank == dst:
+            check_list(gather_list, comm.size, fn, "gather_list")
+            same_spec(gather_list, tensor, fn, "gather_list")
+        elif gather_list:
+            raise ValueError(f"{fn}: gather_list must be None or empty on rank {comm.rank}, "
+                             f"which is not the destination (dst={dst})")
+        call.entry = record(comm, fn, tensor.shape, tensor.dtype, dst)
+    return take(_GATHER, call)
+
+
+def _gather_device(c: Call):
+    return _device.gather(c.tensor, c.tensors, c.root, c.comm, c.async_op)
+
+
+def _gather_mpi(c: Call):
+    tensor, comm, dst = c.tensor, c.comm, c.root
+    if comm.rank != dst:
+        reqs = (_large.gather(comm, c.arr, None, dst) if _large.too_big(c.arr, comm.size)
+                else [comm.mpi.Igather(c.arr, None, root=dst)])
+        return finish_or_work(c.async_op, c.entry, reqs, [])  # gloo: no outputs off the root
+    gather_list = c.tensors
+    flat = torch.empty(tensor.numel() * comm.size, dtype=tensor.dtype)
+    reqs = (_large.gather(comm, c.arr, as_array(flat), dst) if _large.too_big(flat)
+            else [comm.mpi.Igather(c.arr, as_array(flat), root=dst)])
+    return finish_or_work(c.async_op, c.entry, reqs, list(gather_list),
+                          lambda: _scatter_copy(flat, gather_list), keep=flat)
+
+
+_GATHER = route("gather", device=_gather_device, mpi=_gather_mpi)
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
@@ -166,24 +251,35 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
 
     scatter_list: n tensors shaped like TENSOR on SRC; None (or []) on the other ranks.
     """
-    comm = resolve(group, "scatter")
-    comm.check_rank(src, "scatter", "src")
-    try:
-        arr = as_array(tensor, "scatter", "tensor")
-    except DeviceTensor:
-        return _device.scatter(tensor, scatter_list, src, comm, async_op)
-    if comm.rank == src:
-        check_list(scatter_list, comm.size, "scatter", "scatter_list")
-        same_spec(scatter_list, tensor, "scatter", "scatter_list")
-        flat = torch.cat([t.reshape(-1) for t in scatter_list])
-        entry = record(comm, "scatter", tensor.shape, tensor.dtype, src)
-        reqs = (_large.scatter(comm, as_array(flat), arr, src) if _large.too_big(flat)
-                else [comm.mpi.Iscatter(as_array(flat), arr, root=src)])
-        return finish_or_work(async_op, entry, reqs, [tensor], keep=flat)
-    if scatter_list:
-        raise ValueError(f"scatter: scatter_list must be None or empty on rank {comm.rank}, which "
-                         f"is not the source (src={src})")
-    entry = record(comm, "scatter", tensor.shape, tensor.dtype, src)
-    reqs = (_large.scatter(comm, None, arr, src) if _large.too_big(arr, comm.size)
-            else [comm.mpi.Iscatter(None, arr, root=src)])
-    return finish_or_work(async_op, entry, reqs, [tensor])
+    fn = "scatter"
+    call = _one(fn, tensor, group, async_op, "src", src)
+    call.tensors = scatter_list
+    if not call.device:
+        comm = call.comm
+        if comm.rank == src:
+            check_list(scatter_list, comm.size, fn, "scatter_list")
+            same_spec(scatter_list, tensor, fn, "scatter_list")
+        elif scatter_list:
+            raise ValueError(f"{fn}: scatter_list must be None or empty on rank {comm.rank}, "
+                             f"which is not the source (src={src})")
+        call.entry = record(comm, fn, tensor.shape, tensor.dtype, src)
+    return take(_SCATTER, call)
+
+
+def _scatter_device(c: Call):
+    return _device.scatter(c.tensor, c.tensors, c.root, c.comm, c.async_op)
+
+
+def _scatter_mpi(c: Call):
+    comm, src, arr = c.comm, c.root, c.arr
+    if comm.rank != src:
+        reqs = (_large.scatter(comm, None, arr, src) if _large.too_big(arr, comm.size)
+                else [comm.mpi.Iscatter(None, arr, root=src)])
+        return finish_or_work(c.async_op, c.entry, reqs, [c.tensor])
+    flat = torch.cat([t.reshape(-1) for t in c.tensors])
+    reqs = (_large.scatter(comm, as_array(flat), arr, src) if _large.too_big(flat)
+            else [comm.mpi.Iscatter(as_array(flat), arr, root=src)])
+    return finish_or_work(c.async_op, c.entry, reqs, [c.tensor], keep=flat)
+
+
+_SCATTER = route("scatter", device=_scatter_device, mpi=_scatter_mpi)

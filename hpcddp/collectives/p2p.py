@@ -21,6 +21,7 @@ from hpcddp.collectives import _large
 from hpcddp.collectives.work import RecvWork, check_count, truncation
 from hpcddp.collectives import _device
 from hpcddp.collectives._plans import ISEND, IRECV, SEND, RECV, make_pplan, phit
+from hpcddp.collectives.paths import Call, route, take
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.comm._mpi import MPI
 
@@ -44,26 +45,45 @@ def _check_peer(comm, peer, fn: str, arg: str) -> int:
     return peer
 
 
+def _p2p(fn: str, tensor, peer, group, tag, plan: bool = True) -> Call:
+    """The Call of a send (``root``: the destination) or receive (``root``: the source, None
+    for any), validated. PLAN False: never the C plan (the GPU staging path edits the Work)."""
+    comm = resolve(group, fn)
+    if fn.endswith("send"):
+        _check_peer(comm, peer, fn, "dst")
+    elif peer is not None:
+        _check_peer(comm, peer, fn, "src")
+    call = Call()
+    call.comm, call.group, call.async_op, call.tensor = comm, group, True, tensor
+    call.root, call.tag, call.extra = peer, tag, plan
+    try:
+        call.arr = as_array(tensor, fn, "tensor")
+    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): the device path checks
+        call.device, call.nbytes = True, 0
+    else:
+        _check_tag(tag, fn)
+        call.device, call.nbytes = False, call.arr.nbytes
+    return call
+
+
 def isend(tensor, dst, group=None, tag=0):
     """Start sending TENSOR to group rank DST; returns a Work (wait before reusing TENSOR):
     a C P2PWork where hpcddp's C module is built (torch Work's methods), else a Work."""
-    work = phit(ISEND, tensor, dst, tag, group)
+    work = phit(ISEND, tensor, dst, tag, group)     # the plan-hit row
     if work is not False:
         return work
     return _isend(tensor, dst, group, tag, True)
 
 
 def _isend(tensor, dst, group, tag, plan: bool):
-    """isend's full path; PLAN False: never the C path (the GPU staging path edits the Work)."""
-    comm = resolve(group, "isend")
-    _check_peer(comm, dst, "isend", "dst")
-    try:
-        arr = as_array(tensor, "isend", "tensor")
-    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
-        return _device.isend(tensor, dst, comm, tag)
-    _check_tag(tag, "isend")
+    """isend's full path; PLAN as in :func:`_p2p`."""
+    return take(_ISEND, _p2p("isend", tensor, dst, group, tag, plan))
+
+
+def _isend_mpi(c: Call):
+    tensor, comm, arr, dst, tag = c.tensor, c.comm, c.arr, c.root, c.tag
     # the hit is asked with COMM: GROUP may be a torch group the plan files under None
-    if plan and make_pplan(False, tensor, group, comm, arr, dst, tag):
+    if c.extra and make_pplan(False, tensor, c.group, comm, arr, dst, tag):
         work = phit(ISEND, tensor, dst, tag, comm)
         if work is not False:
             return work
@@ -73,18 +93,20 @@ def _isend(tensor, dst, group, tag, plan: bool):
     return finish_or_work(True, entry, reqs, [tensor])
 
 
+_ISEND = route("send/recv/isend/irecv",
+               device=lambda c: _device.isend(c.tensor, c.root, c.comm, c.tag), mpi=_isend_mpi)
+
+
 def send(tensor, dst, group=None, tag=0):
     """Send TENSOR to group rank DST; returns when TENSOR may be reused."""
-    if phit(SEND, tensor, dst, tag, group) is not False:
+    if phit(SEND, tensor, dst, tag, group) is not False:    # the plan-hit row
         return
-    comm = resolve(group, "send")
-    _check_peer(comm, dst, "send", "dst")
-    try:
-        arr = as_array(tensor, "send", "tensor")
-    except DeviceTensor:
-        return _device.send(tensor, dst, comm, tag)
-    _check_tag(tag, "send")
-    if make_pplan(False, tensor, group, comm, arr, dst, tag) \
+    take(_SEND, _p2p("send", tensor, dst, group, tag))
+
+
+def _send_mpi(c: Call):
+    tensor, comm, arr, dst, tag = c.tensor, c.comm, c.arr, c.root, c.tag
+    if make_pplan(False, tensor, c.group, comm, arr, dst, tag) \
             and phit(SEND, tensor, dst, tag, comm) is not False:
         return
     entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
@@ -95,55 +117,62 @@ def send(tensor, dst, group=None, tag=0):
     record_end(entry)
 
 
+_SEND = route("send/recv/isend/irecv",
+              device=lambda c: _device.send(c.tensor, c.root, c.comm, c.tag), mpi=_send_mpi)
+
+
 def irecv(tensor, src=None, group=None, tag=0):
     """Start receiving into TENSOR from group rank SRC (None: any rank); returns a Work whose
     ``source_rank()`` names the sender once complete (a P2PWork as in :func:`isend`)."""
-    work = phit(IRECV, tensor, src, tag, group)
+    work = phit(IRECV, tensor, src, tag, group)     # the plan-hit row
     if work is not False:
         return work
     return _irecv(tensor, src, group, tag, True)
 
 
 def _irecv(tensor, src, group, tag, plan: bool):
-    """irecv's full path; PLAN as in :func:`_isend`."""
-    comm = resolve(group, "irecv")
-    source = MPI.ANY_SOURCE if src is None else _check_peer(comm, src, "irecv", "src")
-    try:
-        arr = as_array(tensor, "irecv", "tensor")
-    except DeviceTensor:
-        return _device.irecv(tensor, src, comm, tag)
-    _check_tag(tag, "irecv")
-    big = _large.too_big(arr)
-    if big and src is None:
+    """irecv's full path; PLAN as in :func:`_p2p`."""
+    call = _p2p("irecv", tensor, src, group, tag, plan)
+    if not call.device and src is None and _large.too_big(call.arr):
         raise ValueError(f"irecv: src=None (any source) with {tensor.numel()} elements, over this "
                          f"MPI's count limit of {_large.MAX_COUNT}: the message travels in "
                          f"pieces that must come from one sender; give src (or use recv)")
-    if plan and make_pplan(True, tensor, group, comm, arr, src, tag):
+    return take(_IRECV, call)
+
+
+def _irecv_mpi(c: Call):
+    tensor, comm, arr, src, tag = c.tensor, c.comm, c.arr, c.root, c.tag
+    if c.extra and make_pplan(True, tensor, c.group, comm, arr, src, tag):
         work = phit(IRECV, tensor, src, tag, comm)
         if work is not False:
             return work
     entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
-    reqs = _large.recv(comm.mpi, arr, source, tag) if big else [comm.mpi.Irecv(arr, source, tag)]
+    source = MPI.ANY_SOURCE if src is None else src
+    reqs = (_large.recv(comm.mpi, arr, source, tag) if _large.too_big(arr)
+            else [comm.mpi.Irecv(arr, source, tag)])
     return RecvWork(reqs, tensor, arr, "irecv", tag, entry)
+
+
+_IRECV = route("send/recv/isend/irecv",
+               device=lambda c: _device.irecv(c.tensor, c.root, c.comm, c.tag), mpi=_irecv_mpi)
 
 
 def recv(tensor, src=None, group=None, tag=0) -> int:
     """Receive into TENSOR from group rank SRC (None: any rank). Returns the sender's rank."""
-    source = phit(RECV, tensor, src, tag, group)
+    source = phit(RECV, tensor, src, tag, group)    # the plan-hit row
     if source is not False:
         return source
-    comm = resolve(group, "recv")
-    source = MPI.ANY_SOURCE if src is None else _check_peer(comm, src, "recv", "src")
-    try:
-        arr = as_array(tensor, "recv", "tensor")
-    except DeviceTensor:
-        return _device.recv(tensor, src, comm, tag)
-    _check_tag(tag, "recv")
-    if make_pplan(True, tensor, group, comm, arr, src, tag):
+    return take(_RECV, _p2p("recv", tensor, src, group, tag))
+
+
+def _recv_mpi(c: Call) -> int:
+    tensor, comm, arr, src, tag = c.tensor, c.comm, c.arr, c.root, c.tag
+    if make_pplan(True, tensor, c.group, comm, arr, src, tag):
         source = phit(RECV, tensor, src, tag, comm)
         if source is not False:
             return source
     entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
+    source = MPI.ANY_SOURCE if src is None else src
     if _large.too_big(arr):
         if source == MPI.ANY_SOURCE:
             source = _large.probe_source(comm.mpi, tag)
@@ -162,3 +191,7 @@ def recv(tensor, src=None, group=None, tag=0) -> int:
     record_end(entry)
     check_count("recv", tensor, statuses, arr.nbytes, tag)
     return statuses[0].Get_source()
+
+
+_RECV = route("send/recv/isend/irecv",
+              device=lambda c: _device.recv(c.tensor, c.root, c.comm, c.tag), mpi=_recv_mpi)

@@ -1,12 +1,17 @@
-"""Which path a call takes: every op's paths in the order its code tries them, and whether each
-is open to a group of the running job (``hpcddp info`` prints the table for the world).
+"""The dispatch table: every op's paths in the order they are tried, and the call they read.
 
-An op takes the first path that applies to the call. The conditions on the call (size, reduce
-op, a tensor used before) are in ``when``; what the group and the job decide (ranks on one
-node, a start-up race against MPI, the C module built, a switch in docs/settings.md) is what
-:func:`table` evaluates. Keep this table in the order of the ops' code (reduce.py, gather.py,
-alltoall.py, p2p.py): tests/mpi/test_paths.py checks the node-local rows against the paths the
-ops really take.
+An op validates its arguments once into a :class:`Call` (communicator, views, dtype, reduce op,
+root, byte count), records it, then takes the first path of its row in :data:`PATHS` that
+applies (:func:`take`). A path applies when the call has at least its ``min_bytes`` (a compare,
+so small calls skip the node-local paths without a function call) and its ``applies(call)``
+answers True (what the group and the job decide: ranks on one node, a start-up race against
+MPI, a switch in docs/settings.md). Each op module names how each of its rows runs with
+:func:`route`, which refuses at import a row without a runner or a runner without a row: the
+order here is the order calls take, by construction.
+
+The plan hits (``before_call`` rows) run before validation, on the raw arguments of a call seen
+before (hpcddp.collectives._plans); ``hpcddp info`` prints the whole table for the running job,
+each path open or closed and why (:func:`table`).
 """
 from __future__ import annotations
 
@@ -14,15 +19,30 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hpcddp import settings
-from hpcddp.collectives import _cma, _hier, _lists, _node, _plans, _shm
+from hpcddp.collectives import _cma, _hier, _large, _lists, _node, _plans, _shm
 from hpcddp.diagnostics.mismatch import AGREE_BYTES
+
+
+class Call:
+    """One call of an op, validated once: what its paths read. An op sets the fields it has
+    (a reduction its ``mop`` and ``kind``, a rooted op its ``root``, ...); a path reads only
+    the fields of the ops it serves. Every op sets ``comm``, ``group``, ``async_op``,
+    ``device`` (the tensors are CUDA tensors, which the CPU validation leaves to the device
+    path) and ``nbytes``. No __init__: the fields are set where they are found, and an object
+    with an __init__ of seven arguments cost a small call a tenth of a microsecond more."""
+    __slots__ = ("comm", "group", "async_op", "device", "nbytes", "tensor", "arr", "output",
+                 "out", "input", "inp", "tensors", "views", "dtype", "op", "mop", "kind", "root",
+                 "tag", "entry", "extra")
 
 
 @dataclass(frozen=True)
 class Path:
     name: str
-    when: str                                   # what the call must be for this path
+    when: str                                     # what the call must be for this path
     state: Callable[[object], str] | None = None  # group -> "open" or "closed (why)"
+    min_bytes: int = 0                            # smaller calls skip it
+    applies: Callable[[Call], bool] | None = None  # the rest of the condition (None: always)
+    before_call: bool = False                     # a plan hit: tried before validation
 
 
 def _mib(n: int) -> str:
@@ -66,8 +86,6 @@ _arena = _node_local("shm_allreduce", "HPCDDP_SHM_ALLREDUCE", lambda c: _shm.are
                      "shm arena", "ranks on several nodes, or no room in /dev/shm")
 _cma_state = _node_local("cma", "HPCDDP_CMA", lambda c: _cma.peers(c), "cma",
                          "ranks on several nodes, or the kernel refuses")
-
-
 _hier_state = _node_local("hier", "HPCDDP_HIER", lambda c: _hier.hier(c), "hier",
                           "one node, or nodes with different numbers of the group's ranks")
 
@@ -78,43 +96,109 @@ def _p2p_lists(comm) -> str:
         f"closed ({comm.size} ranks; HPCDDP_LIST_P2P_MAX_RANKS={limit})"
 
 
+# -- the rows ------------------------------------------------------------------------------------
+# applies(call) runs only where the call has min_bytes; it must give the same answer on every
+# rank of the group (a collective's arguments agree), and may set up the path on first use
+# (collective: every rank asks at the same call).
+
+def _arena_applies(c: Call) -> bool:
+    return _shm.usable(c.comm, c.nbytes, c.dtype, c.kind)
+
+
+def _hier_applies(c: Call) -> bool:     # pieces over MPI's count limit take the MPI row
+    return _hier.usable(c.comm, c.nbytes) and not _large.too_big(c.arr)
+
+
+def _cma_applies(c: Call) -> bool:
+    return _cma.usable(c.comm, c.nbytes)
+
+
+def _lists_applies(c: Call) -> bool:
+    """The list forms' point-to-point exchange; ``extra``: one block's element count where
+    every rank's is the same (0 for all_to_all)."""
+    return _lists.use_p2p(c.comm, c.extra)
+
+
+def _lists_reduce_scatter_applies(c: Call) -> bool:
+    return _lists.use_p2p(c.comm, c.extra) and _lists.reduce_scatter_supported(c.kind, c.dtype)
+
+
 PLAN = Path("plan hit", "the same tensors as a call before, blocking, "
-            f"below {_mib(AGREE_BYTES)}", _plan_hit)
-DEVICE = Path("device", "CUDA tensors", _device)
-ARENA = Path("shm arena", f"SUM/AVG/PREMUL_SUM, non-bool, from {_mib(_shm.MIN_BYTES)}", _arena)
-LISTS = Path("point-to-point", "the list form", _p2p_lists)
+            f"below {_mib(AGREE_BYTES)}", _plan_hit, before_call=True)
+DEVICE = Path("device", "CUDA tensors: CUDA-aware MPI, else pinned host staging", _device)
+ARENA = Path("shm arena", f"SUM/AVG/PREMUL_SUM, non-bool, from {_mib(_shm.MIN_BYTES)}", _arena,
+             min_bytes=_shm.MIN_BYTES, applies=_arena_applies)
+LISTS = Path("point-to-point", "the list form", _p2p_lists, applies=_lists_applies)
 HIER = Path("hierarchical", "several nodes, the same number of ranks on each, from "
-            f"{_mib(_hier.MIN_BYTES)}", _hier_state)
-PIECES = "MPI pieces", "over MPI's count limit of 2^31-1 elements"
+            f"{_mib(_hier.MIN_BYTES)}", _hier_state, min_bytes=_hier.MIN_BYTES,
+            applies=_hier_applies)
+PIECES = "; over MPI's count limit of 2^31-1 elements, in pieces"
 
 
-def _mpi(call: str, pieces: bool = True) -> tuple:
-    rows = (Path(f"MPI {call}", "otherwise"),)
-    return rows + ((Path(*PIECES),) if pieces else ())
+def _mpi(call: str, pieces: bool = True) -> Path:
+    return Path(f"MPI {call}", "otherwise" + (PIECES if pieces else ""))
 
 
 PATHS: dict[str, tuple[Path, ...]] = {
     "all_reduce": (Path("plan hit", f"SUM of a tensor reduced before, below {_mib(AGREE_BYTES)}",
-                        _plan_hit), DEVICE, ARENA,
-                   HIER) + _mpi("Allreduce"),
-    "broadcast": (DEVICE, Path("CMA", f"from {_mib(_cma.MIN_BYTES)}", _cma_state), HIER)
-    + _mpi("Bcast"),
-    "reduce": (DEVICE,) + _mpi("Reduce"),
-    "reduce_scatter": (DEVICE, ARENA, LISTS) + _mpi("Reduce_scatter_block", pieces=False),
-    "reduce_scatter_tensor": (DEVICE, ARENA, HIER) + _mpi("Reduce_scatter_block",
-                                                          pieces=False),
-    "all_gather": (PLAN, DEVICE, LISTS) + _mpi("Allgather"),
-    "all_gather_into_tensor": (DEVICE, HIER) + _mpi("Allgather"),
-    "gather": (DEVICE,) + _mpi("Gather(v)"),
-    "scatter": (DEVICE,) + _mpi("Scatter(v)"),
-    "all_to_all": (PLAN, DEVICE, LISTS) + _mpi("Ialltoallv", pieces=False),
+                        _plan_hit, before_call=True), DEVICE, ARENA, HIER, _mpi("Allreduce")),
+    "broadcast": (DEVICE, Path("CMA", f"from {_mib(_cma.MIN_BYTES)}", _cma_state,
+                               min_bytes=_cma.MIN_BYTES, applies=_cma_applies), HIER,
+                  _mpi("Bcast")),
+    "reduce": (DEVICE, _mpi("Reduce")),
+    "reduce_scatter": (DEVICE, ARENA, Path("point-to-point", "the list form, SUM/AVG, non-bool",
+                                           _p2p_lists, applies=_lists_reduce_scatter_applies),
+                       _mpi("Reduce_scatter_block", pieces=False)),
+    "reduce_scatter_tensor": (DEVICE, ARENA, HIER, _mpi("Reduce_scatter_block", pieces=False)),
+    "all_gather": (PLAN, DEVICE, LISTS, _mpi("Allgather")),
+    "all_gather_into_tensor": (DEVICE, HIER, _mpi("Allgather")),
+    "gather": (DEVICE, _mpi("Gather(v)")),
+    "scatter": (DEVICE, _mpi("Scatter(v)")),
+    "all_to_all": (PLAN, DEVICE, LISTS, _mpi("Ialltoallv", pieces=False)),
     "all_to_all_single": (Path("plan hit", "even blocks, the same tensors as a call before",
-                               _plan_hit), DEVICE) + _mpi("Ialltoallv", pieces=False),
+                               _plan_hit, before_call=True), DEVICE,
+                          _mpi("Ialltoallv", pieces=False)),
     "send/recv/isend/irecv": (Path("plan hit", "a tensor sent or received before, same peer "
-                                   "and tag (C module only)", _plan_hit), DEVICE)
-    + _mpi("Send/Recv (or Isend/Irecv)", pieces=False),
+                                   "and tag (C module only)", _plan_hit, before_call=True),
+                              DEVICE, _mpi("Send/Recv (or Isend/Irecv)")),
     "barrier": (Path("MPI Barrier", "always"),),
 }
+
+
+def route(op: str, **runs: Callable[[Call], object]) -> tuple:
+    """OP's rows for :func:`take`: (the device row's run, the floor, the last row's run, then
+    (min_bytes, applies, run) for the rows after the device's, in the table's order). RUNS names how each row runs, by the row's kind:
+    ``device``, ``arena``, ``cma``, ``hier``, ``lists``, ``mpi``. Every row but the plan hit
+    needs one, and every one needs a row; the device row comes first."""
+    rows = [p for p in PATHS[op] if not p.before_call]
+    names = [_kind(p) for p in rows]
+    if sorted(names) != sorted(runs) or names[0] != "device" or rows[-1].applies is not None:
+        raise RuntimeError(f"route({op!r}): the table's rows are {names} (device first, a last "
+                           f"row that always applies), the runners given {sorted(runs)}")
+    middle = rows[1:-1]
+    # below every middle row's min_bytes a call goes straight to the last row, the one a
+    # small call takes: no row to ask (0 where a middle row applies at any size)
+    floor = min((p.min_bytes for p in middle), default=1 << 62)
+    return (runs["device"], floor, runs[names[-1]],
+            tuple((p.min_bytes, p.applies, runs[k]) for p, k in zip(rows[1:], names[1:])))
+
+
+def _kind(p: Path) -> str:
+    return {"device": "device", "shm arena": "arena", "CMA": "cma", "hierarchical": "hier",
+            "point-to-point": "lists"}.get(p.name, "mpi")
+
+
+def take(route: tuple, call: Call):
+    """Run CALL on the first of ROUTE's paths that applies (the last, MPI, always does)."""
+    device, floor, last, rows = route
+    if call.device:       # the device row: its condition is this flag, tested without a call
+        return device(call)
+    nbytes = call.nbytes
+    if nbytes < floor:    # smaller than every middle row's min_bytes
+        return last(call)
+    for min_bytes, applies, run in rows:
+        if nbytes >= min_bytes and (applies is None or applies(call)):
+            return run(call)
 
 
 def table(comm) -> list[dict]:
