@@ -1,8 +1,9 @@
 """The device path of every op: CUDA tensors, through a CUDA-aware MPI or through host memory.
 
-The CPU ops (reduce.py, gather.py, ...) call ``as_array`` on their tensors; for a CUDA tensor
-it raises ``DeviceTensor`` (only on its cache-miss path, so CPU tensors pay nothing), and the
-op hands its arguments to the function of the same name here. Each one:
+The ops (reduce.py, gather.py, ...) call ``as_array`` on their tensors while they validate a
+call; for a CUDA tensor it raises ``DeviceTensor`` (only on its cache-miss path, so CPU tensors
+pay nothing), the op marks the ``Call`` as a device call, and the dispatch table's device row
+(hpcddp.collectives.paths) runs the function of the same name here. Each one:
 
 1. checks that the op's tensors share one device (before any message);
 2. picks the path with :func:`hpcddp.comm.cuda.decide`:

@@ -1,0 +1,87 @@
+"""hpcddp.collectives.paths drives the dispatch: every op's route is its table row list, in the
+table's order, and take() runs the first row that applies (tests/mpi/test_paths.py checks the
+rows against the paths real calls take)."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from hpcddp.collectives import paths
+from hpcddp.collectives.paths import Call, Path, route, take
+
+# each op's route, where its module keeps it
+ROUTES = {
+    "all_reduce": ("reduce", "_ALL_REDUCE"),
+    "reduce": ("reduce", "_REDUCE"),
+    "reduce_scatter": ("reduce", "_REDUCE_SCATTER"),
+    "reduce_scatter_tensor": ("reduce", "_REDUCE_SCATTER_TENSOR"),
+    "broadcast": ("gather", "_BROADCAST"),
+    "all_gather": ("gather", "_ALL_GATHER"),
+    "all_gather_into_tensor": ("gather", "_ALL_GATHER_INTO_TENSOR"),
+    "gather": ("gather", "_GATHER"),
+    "scatter": ("gather", "_SCATTER"),
+    "all_to_all": ("alltoall", "_ALL_TO_ALL"),
+    "all_to_all_single": ("alltoall", "_ALL_TO_ALL_SINGLE"),
+    "send/recv/isend/irecv": ("p2p", "_ISEND"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(ROUTES))
+def test_every_op_runs_its_table_rows_in_order(op):
+    module, name = ROUTES[op]
+    device, floor, last, rows = getattr(
+        importlib.import_module(f"hpcddp.collectives.{module}"), name)
+    table = [p for p in paths.PATHS[op] if not p.before_call]
+    assert table[0] is paths.DEVICE and callable(device)
+    assert [(m, a) for m, a, _ in rows] == [(p.min_bytes, p.applies) for p in table[1:]]
+    # each op's runner for a row is named after the row's kind (_all_reduce_arena, ...)
+    kinds = [paths._kind(p) for p in table[1:]]
+    assert [run.__name__.rsplit("_", 1)[-1] for _, _, run in rows] == kinds
+    assert last is rows[-1][2] and rows[-1][1] is None
+    assert floor == min((p.min_bytes for p in table[1:-1]), default=1 << 62)
+
+
+def test_the_p2p_ops_share_one_row_list():
+    p2p = importlib.import_module("hpcddp.collectives.p2p")
+    for r in (p2p._SEND, p2p._RECV, p2p._IRECV):
+        assert [(m, a) for m, a, _ in r[3]] == [(m, a) for m, a, _ in p2p._ISEND[3]]
+
+
+def test_route_refuses_a_row_without_a_runner_and_a_runner_without_a_row():
+    with pytest.raises(RuntimeError, match=r"route\('broadcast'\).*'device', 'cma', 'hier', "
+                                           r"'mpi'.*\['device', 'mpi'\]"):
+        route("broadcast", device=print, mpi=print)
+    with pytest.raises(RuntimeError, match="runners given"):
+        route("reduce", device=print, mpi=print, arena=print)
+
+
+def _fake_table(monkeypatch, asked):
+    def applies(name, answer):
+        def f(call):
+            asked.append(name)
+            return answer
+        return f
+    monkeypatch.setitem(paths.PATHS, "fake", (
+        paths.PLAN, paths.DEVICE,
+        Path("shm arena", "", min_bytes=100, applies=applies("arena", False)),
+        Path("hierarchical", "", min_bytes=200, applies=applies("hier", True)),
+        Path("MPI Fake", "otherwise")))
+    return route("fake", device=lambda c: "device", arena=lambda c: "arena",
+                 hier=lambda c: "hier", mpi=lambda c: "mpi")
+
+
+def _call(nbytes, device=False):
+    c = Call()
+    c.device, c.nbytes = device, nbytes
+    return c
+
+
+def test_take_runs_the_first_row_that_applies_in_table_order(monkeypatch):
+    asked: list = []
+    r = _fake_table(monkeypatch, asked)
+    assert take(r, _call(10 << 20, device=True)) == "device" and asked == []
+    assert take(r, _call(50)) == "mpi" and asked == []          # below every threshold
+    assert take(r, _call(150)) == "mpi" and asked == ["arena"]  # hier's min_bytes not met
+    asked.clear()
+    assert take(r, _call(250)) == "hier" and asked == ["arena", "hier"]
