@@ -38,10 +38,26 @@ plans: dict = {}
 ENV_MODE = "HPCDDP_FASTPATH"
 
 
-def _drop(key: int, ref) -> None:
-    plan = plans.get(key)
-    if plan is not None and plan[0] is ref:
-        del plans[key]
+# -- the one lifetime rule of every plan table ---------------------------------------------------
+# A plan is filed under id() of its call's first tensor and holds a weak reference to it (its
+# field 0, or the first of the tuple of references there): that tensor's death drops the plan, and a new id() reusing the key finds the
+# reference dead or another object, so the hit refuses it. A full table is cleared: the plans
+# come back on the next calls.
+
+def remember(table: dict, tensor, make) -> None:
+    """File MAKE(weak reference to TENSOR) as TABLE's plan for TENSOR."""
+    key = id(tensor)
+    if len(table) >= MAX_PLANS:
+        table.clear()
+    table[key] = make(weakref.ref(tensor, lambda r, k=key, tb=table: _drop(tb, k, r)))
+
+
+def _drop(table: dict, key: int, ref) -> None:
+    plan = table.get(key)
+    if plan is not None:
+        first = plan[0]
+        if first is ref or (type(first) is tuple and first[0] is ref):
+            del table[key]
 
 
 def _handles(comm, arr, mop):
@@ -62,15 +78,12 @@ def make_plan(tensor, group, comm, arr, mop) -> None:
     """
     if arr.nbytes >= AGREE_BYTES:
         return           # large calls take the full path, whose record() agrees on the call
-    key = id(tensor)
     rt = _rt._runtime
     if rt is not None and comm is rt.world:
         group = None     # direct calls (group=None) and torch's world group share one plan
-    if len(plans) >= MAX_PLANS:
-        plans.clear()
-    plans[key] = (weakref.ref(tensor, lambda r, k=key: _drop(k, r)), tensor.data_ptr(), group,
-                  comm, tensor.numel(), comm.mpi, tensor.shape, tensor.dtype, arr, mop,
-                  _handles(comm, arr, mop))
+    remember(plans, tensor, lambda ref: (
+        ref, tensor.data_ptr(), group, comm, tensor.numel(), comm.mpi, tensor.shape,
+        tensor.dtype, arr, mop, _handles(comm, arr, mop)))
 
 
 def hit_py(tensor, group) -> bool:
@@ -145,21 +158,10 @@ def make_xplan(kind: int, tensors: tuple, group, comm, op: str, shape, dtype, ru
     rt = _rt._runtime
     if rt is not None and comm is rt.world:
         group = None
-    key = id(tensors[0])
-    table = xplans[kind]
-    if len(table) >= MAX_PLANS:
-        table.clear()
     # the first tensor's death drops the plan; the others are only compared
-    refs = (weakref.ref(tensors[0], lambda r, k=key, tb=table: _xdrop(tb, k, r)),
-            *(weakref.ref(t) for t in tensors[1:]))
-    table[key] = (refs, tuple(t.data_ptr() for t in tensors), tuple(t.numel() for t in tensors),
-                  group, comm, comm.mpi, op, shape, dtype, run, prog)
-
-
-def _xdrop(table: dict, key: int, ref) -> None:
-    plan = table.get(key)
-    if plan is not None and plan[X_REFS][0] is ref:
-        del table[key]
+    remember(xplans[kind], tensors[0], lambda ref: (
+        (ref, *(weakref.ref(t) for t in tensors[1:])), tuple(t.data_ptr() for t in tensors),
+        tuple(t.numel() for t in tensors), group, comm, comm.mpi, op, shape, dtype, run, prog))
 
 
 def xhit_py(kind: int, tensors: tuple, group) -> bool:
@@ -205,21 +207,11 @@ def make_pplan(recv: bool, tensor, group, comm, arr, peer, tag) -> bool:
     rt = _rt._runtime
     if rt is not None and comm is rt.world:
         group = None
-    key = id(tensor)
-    table = pplans[recv]
-    if len(table) >= MAX_PLANS:
-        table.clear()
     prog = (MPI._handleof(comm.mpi), datatype, arr.size, MPI.ANY_SOURCE if peer is None else peer)
-    table[key] = (weakref.ref(tensor, lambda r, k=key, tb=table: _pdrop(tb, k, r)),
-                  tensor.data_ptr(), tensor.numel(), tensor.dtype, group, comm, comm.mpi, peer,
-                  tag, tensor.shape, comm.uid, "recv" if recv else "send", prog)
+    remember(pplans[recv], tensor, lambda ref: (
+        ref, tensor.data_ptr(), tensor.numel(), tensor.dtype, group, comm, comm.mpi, peer, tag,
+        tensor.shape, comm.uid, "recv" if recv else "send", prog))
     return True
-
-
-def _pdrop(table: dict, key: int, ref) -> None:
-    plan = table.get(key)
-    if plan is not None and plan[Q_REF] is ref:
-        del table[key]
 
 
 def _no_phit(op, tensor, peer, tag, group) -> bool:

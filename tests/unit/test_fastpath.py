@@ -151,3 +151,31 @@ HIT = r'''
 def test_the_c_hit_answers_false_for_anything_its_plan_does_not_cover():
     res = run_py(HIT)
     assert res.returncode == 0 and "HIT OK" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
+def test_every_plan_table_drops_a_plan_with_its_first_tensor():
+    """The one lifetime rule (_plans.remember): all_reduce, exchange and point-to-point plans
+    go when the tensor they are filed under dies, and a full table is cleared."""
+    res = run_py("""
+        import gc, torch, hpcddp
+        from hpcddp import collectives as C
+        from hpcddp.collectives import _plans
+        hpcddp.init()
+        t = torch.ones(4); C.all_reduce(t)
+        o, i = torch.zeros(4), torch.ones(4)
+        for _ in range(3):
+            C.all_to_all_single(o, i)
+        keys = id(t), id(o)
+        assert keys[0] in _plans.plans and keys[1] in _plans.xplans[_plans.A2A_SINGLE]
+        del t, o
+        gc.collect()
+        assert keys[0] not in _plans.plans, "an all_reduce plan outlived its tensor"
+        assert keys[1] not in _plans.xplans[_plans.A2A_SINGLE], "an exchange plan outlived it"
+        _plans.MAX_PLANS = 2
+        kept = [torch.ones(2) for _ in range(3)]
+        for x in kept:
+            C.all_reduce(x)
+        assert len(_plans.plans) == 1 and id(kept[2]) in _plans.plans, "a full table is cleared"
+        print("ok")
+    """)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
