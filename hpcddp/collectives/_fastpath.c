@@ -18,8 +18,9 @@
  * A completed receive's count is checked as hpcddp.collectives.work.check_count does: another
  * size than the tensor's (a longer message: MPI_ERR_TRUNCATE) raises work.count_error's error.
  *
- * The plan tuples are made by _plans (make_plan, make_xplan: their layouts are documented
- * there); this file reads them and never creates one. Both hits answer False whenever anything
+ * Every plan is a Plan (below), the one plan type: _plans makes them through its constructor
+ * (the module's small API), which checks the program once and unpacks it into C fields; the
+ * hits read those fields and never make a plan. Both hits answer False whenever anything
  * differs from the plan (other object at that id, memory, element count, contiguity, group,
  * destroyed communicator, a plan with no C program): the caller then takes the full Python
  * path, which validates and plans.
@@ -46,16 +47,195 @@ static PyObject *plans, *xplans, *ring, *slots, *tick, *mpi_exception;
 static PyObject *pplans, *p2p_seq, *future_of, *count_error;
 static PyObject *s_op, *s_data_ptr, *s_numel, *s_is_contiguous, *s_dtype, *s_seq, *s_mpi;
 
-enum { P_REF, P_PTR, P_GROUP, P_COMM, P_NUMEL, P_MPI, P_SHAPE, P_DTYPE, P_VIEW, P_OP,
-       P_HANDLES, P_LEN };
-/* exchange plans (_plans.make_xplan) and their programs (_plans: X_PROG) */
-enum { X_REFS, X_PTRS, X_NUMELS, X_GROUP, X_COMM, X_MPI, X_OP, X_SHAPE, X_DTYPE, X_RUN,
-       X_PROG, X_LEN };
-enum { ALLTOALLV, SENDRECV };
-/* p2p plans (_plans.make_pplan) and the ops p2p() runs (_plans: ISEND...) */
-enum { Q_REF, Q_PTR, Q_NUMEL, Q_DTYPE, Q_GROUP, Q_COMM, Q_MPI, Q_PEER, Q_TAG, Q_SHAPE, Q_UID,
-       Q_OP, Q_PROG, Q_LEN };
+/* a plan's program (_plans: ALLTOALLV...; NO_PROGRAM: only the Python hit runs it) and the
+   ops p2p() runs (_plans: ISEND...) */
+enum { NO_PROGRAM = -1, ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT };
 enum { ISEND, IRECV, SEND, RECV };
+
+/* -- Plan: the one plan type -----------------------------------------------------------------
+ * What a call's checks found, for the next identical call: the tensors (weak references, the
+ * first one's is the plan's key in its table), their memory and sizes, the group as passed,
+ * its Communicator and that one's mpi4py communicator, what the flight recorder writes, and
+ * the program: (ALLREDUCE, comm, datatype, op), (ALLTOALLV, comm, datatype, int32 table, tag),
+ * (SENDRECV, comm, datatype, int64 table, tag) or (POINT_TO_POINT, comm, datatype, count, MPI
+ * peer), the handles as mpi4py's MPI._handleof ints; None where C cannot run it. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *refs, *ptrs, *numels;       /* tuples, one item per tensor of the call */
+    PyObject *group, *comm, *mpi;
+    PyObject *op, *shape, *dtype;         /* the recorder's op name, shape and dtype */
+    PyObject *peer, *tag, *uid;           /* point-to-point: group rank (None: any), tag, comm.uid */
+    PyObject *run, *prog;                 /* the Python hit's MPI work; the program as given */
+    /* the program, unpacked once */
+    int code, count, mpi_peer, mpi_tag;
+    MPI_Comm hcomm;
+    MPI_Datatype htype;
+    MPI_Op hop;
+    void *buf, *in;                       /* the first (second) tensor's memory */
+    const char *table;                    /* in prog's bytes; ROWS: ranks or steps */
+    Py_ssize_t rows;
+} Plan;
+
+static PyTypeObject PlanType;
+
+static int plan_traverse(Plan *p, visitproc visit, void *arg) {
+    Py_VISIT(p->refs); Py_VISIT(p->ptrs); Py_VISIT(p->numels); Py_VISIT(p->group);
+    Py_VISIT(p->comm); Py_VISIT(p->mpi); Py_VISIT(p->op); Py_VISIT(p->shape);
+    Py_VISIT(p->dtype); Py_VISIT(p->peer); Py_VISIT(p->tag); Py_VISIT(p->uid);
+    Py_VISIT(p->run); Py_VISIT(p->prog);
+    return 0;
+}
+
+static int plan_clear(Plan *p) {
+    Py_CLEAR(p->refs); Py_CLEAR(p->ptrs); Py_CLEAR(p->numels); Py_CLEAR(p->group);
+    Py_CLEAR(p->comm); Py_CLEAR(p->mpi); Py_CLEAR(p->op); Py_CLEAR(p->shape);
+    Py_CLEAR(p->dtype); Py_CLEAR(p->peer); Py_CLEAR(p->tag); Py_CLEAR(p->uid);
+    Py_CLEAR(p->run); Py_CLEAR(p->prog);
+    p->code = NO_PROGRAM;
+    return 0;
+}
+
+static void plan_dealloc(Plan *p) {
+    PyObject_GC_UnTrack(p);
+    plan_clear(p);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+/* the handle at PROG[I] (an int from MPI._handleof) */
+static void *handle_at(PyObject *prog, Py_ssize_t i) {
+    return PyLong_AsVoidPtr(PyTuple_GET_ITEM(prog, i));
+}
+
+/* the program's table (PROG[3]): its bytes as WIDTH-byte ints, their count in *COUNT */
+static const char *table_of(PyObject *prog, Py_ssize_t width, Py_ssize_t *count) {
+    PyObject *b = PyTuple_GET_ITEM(prog, 3);
+    if (!PyBytes_Check(b) || PyBytes_GET_SIZE(b) % width)
+        return NULL;
+    *count = PyBytes_GET_SIZE(b) / width;
+    return PyBytes_AS_STRING(b);
+}
+
+static int refuse_program(const char *why) {
+    PyErr_Format(PyExc_ValueError, "Plan: the program %s", why);
+    return -1;
+}
+
+/* unpack P's program into its C fields (0), or raise (-1): a program C cannot run at all is
+   a caller's error; one over MPI's int count is left to the Python path (NO_PROGRAM) */
+static int unpack_program(Plan *p) {
+    PyObject *prog = p->prog;
+    Py_ssize_t n = PyTuple_GET_SIZE(p->refs);
+    p->code = NO_PROGRAM;
+    if (prog == Py_None)
+        return 0;
+    if (!PyTuple_Check(prog) || PyTuple_GET_SIZE(prog) < 4 || n < 1
+            || PyTuple_GET_SIZE(p->ptrs) != n || PyTuple_GET_SIZE(p->numels) != n)
+        return refuse_program("must be a tuple (code, comm, datatype, ...) and the tensors, "
+                              "pointers and counts as many");
+    long code = PyLong_AsLong(PyTuple_GET_ITEM(prog, 0));
+    p->hcomm = (MPI_Comm)(intptr_t)handle_at(prog, 1);   /* pointers in Open MPI, ints in */
+    p->htype = (MPI_Datatype)(intptr_t)handle_at(prog, 2);   /* MPICH: both casts compile */
+    p->buf = PyLong_AsVoidPtr(PyTuple_GET_ITEM(p->ptrs, 0));
+    p->in = n > 1 ? PyLong_AsVoidPtr(PyTuple_GET_ITEM(p->ptrs, 1)) : NULL;
+    long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(p->numels, 0));
+    if (PyErr_Occurred())
+        return -1;
+    switch (code) {
+    case ALLREDUCE:
+    case POINT_TO_POINT:
+        if (PyTuple_GET_SIZE(prog) != (code == ALLREDUCE ? 4 : 5))
+            return refuse_program("of an all_reduce is (ALLREDUCE, comm, datatype, op) and of "
+                                  "a send/recv (POINT_TO_POINT, comm, datatype, count, peer)");
+        if (code == ALLREDUCE)
+            p->hop = (MPI_Op)(intptr_t)handle_at(prog, 3);
+        else {
+            count = PyLong_AsLongLong(PyTuple_GET_ITEM(prog, 3));
+            p->mpi_peer = (int)PyLong_AsLong(PyTuple_GET_ITEM(prog, 4));
+            p->mpi_tag = (int)PyLong_AsLong(p->tag);
+        }
+        if (PyErr_Occurred())
+            return -1;
+        if (count < 0 || count > INT_MAX)
+            return 0;                     /* MPI's int count: the Python path cuts it up */
+        p->count = (int)count;
+        break;
+    case ALLTOALLV:
+    case SENDRECV:
+        if (PyTuple_GET_SIZE(prog) != 5)
+            return refuse_program("of an exchange is (code, comm, datatype, table, tag)");
+        p->mpi_tag = (int)PyLong_AsLong(PyTuple_GET_ITEM(prog, 4));
+        if (PyErr_Occurred())
+            return -1;
+        if (code == ALLTOALLV)
+            p->table = table_of(prog, 4 * sizeof(int), &p->rows);      /* rows: ranks */
+        else {
+            p->table = table_of(prog, sizeof(int64_t), &p->rows);
+            p->rows = (p->rows >= 3 && (p->rows - 3) % 6 == 0) ? (p->rows - 3) / 6 : -1;
+        }
+        if (p->table == NULL || p->rows < 0 || (code == ALLTOALLV && n != 2))
+            return refuse_program("table does not fit its code");
+        break;
+    default:
+        return refuse_program("code is not ALLTOALLV, SENDRECV, ALLREDUCE or POINT_TO_POINT");
+    }
+    p->code = (int)code;
+    return 0;
+}
+
+static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *names[] = {"refs", "ptrs", "numels", "group", "comm", "mpi", "op", "shape",
+                            "dtype", "run", "prog", "peer", "tag", "uid", NULL};
+    PyObject *o[14] = {NULL};
+    o[11] = o[12] = o[13] = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O!O!OOOOOOOO|OOO:Plan", names, &PyTuple_Type,
+                                     &o[0], &PyTuple_Type, &o[1], &PyTuple_Type, &o[2], &o[3],
+                                     &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11],
+                                     &o[12], &o[13]))
+        return NULL;
+    Plan *p = (Plan *)type->tp_alloc(type, 0);
+    if (p == NULL)
+        return NULL;
+    PyObject **field[] = {&p->refs, &p->ptrs, &p->numels, &p->group, &p->comm, &p->mpi, &p->op,
+                          &p->shape, &p->dtype, &p->run, &p->prog, &p->peer, &p->tag, &p->uid};
+    for (int k = 0; k < 14; k++)
+        *field[k] = Py_NewRef(o[k]);
+    if (unpack_program(p) < 0) {
+        Py_DECREF(p);
+        return NULL;
+    }
+    return (PyObject *)p;
+}
+
+static PyMemberDef plan_members[] = {
+    {"refs", T_OBJECT, offsetof(Plan, refs), READONLY, "weak references to the call's tensors"},
+    {"ptrs", T_OBJECT, offsetof(Plan, ptrs), READONLY, "their data_ptr() as planned"},
+    {"numels", T_OBJECT, offsetof(Plan, numels), READONLY, "their numel() as planned"},
+    {"group", T_OBJECT, offsetof(Plan, group), READONLY, "the group as passed"},
+    {"comm", T_OBJECT, offsetof(Plan, comm), READONLY, "its Communicator"},
+    {"mpi", T_OBJECT, offsetof(Plan, mpi), READONLY, "that one's mpi4py communicator"},
+    {"op", T_OBJECT, offsetof(Plan, op), READONLY, "the recorder's op name"},
+    {"shape", T_OBJECT, offsetof(Plan, shape), READONLY, "the recorder's shape"},
+    {"dtype", T_OBJECT, offsetof(Plan, dtype), READONLY, "the tensors' dtype"},
+    {"peer", T_OBJECT, offsetof(Plan, peer), READONLY, "send/recv: the group rank"},
+    {"tag", T_OBJECT, offsetof(Plan, tag), READONLY, "send/recv: the tag"},
+    {"uid", T_OBJECT, offsetof(Plan, uid), READONLY, "send/recv: the Communicator's uid"},
+    {"run", T_OBJECT, offsetof(Plan, run), READONLY, "the MPI work, for the Python hit"},
+    {"prog", T_OBJECT, offsetof(Plan, prog), READONLY, "the program, as given"},
+    {NULL}};
+
+static PyTypeObject PlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hpcddp.collectives._fastpath.Plan",
+    .tp_doc = "Plan(refs, ptrs, numels, group, comm, mpi, op, shape, dtype, run, prog, "
+              "peer=None, tag=None, uid=None): a planned call (hpcddp.collectives._plans).",
+    .tp_basicsize = sizeof(Plan),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = plan_new,
+    .tp_dealloc = (destructor)plan_dealloc,
+    .tp_traverse = (traverseproc)plan_traverse,
+    .tp_clear = (inquiry)plan_clear,
+    .tp_members = plan_members,
+};
 
 static int same_int(PyObject *value, PyObject *planned) {
     /* 1 if VALUE (a new reference, consumed) equals the plan's int, 0 if not, -1 on error */
@@ -161,22 +341,28 @@ static int same_dtype(PyObject *t, PyObject *dtype) {
     return same_attr(t, s_dtype, dtype);
 }
 
-/* where a plan keeps, for plan_holds: the tensor's weak ref, data_ptr, numel and dtype, the
-   group as passed, its Communicator and that one's mpi4py communicator */
-typedef struct { int ref, ptr, numel, dtype, group, comm, mpi; } PlanIndex;
-
-/* 1 if PLAN still describes TENSOR reached through GROUP (the group as planned or its
-   Communicator; that communicator alive; the tensor's object, memory, size, one block of
-   memory and dtype), 0 if not, -1 on error */
-static int plan_holds(PyObject *plan, const PlanIndex *at, PyObject *tensor, PyObject *group) {
-    if (PyTuple_GET_ITEM(plan, at->group) != group && PyTuple_GET_ITEM(plan, at->comm) != group)
+/* 1 if P was planned for GROUP (the group as planned or its Communicator) and that
+   communicator is alive; 0 if not; -1 on error */
+static int group_holds(Plan *p, PyObject *group) {
+    if (p->group != group && p->comm != group)
         return 0;
-    int eq = comm_alive(PyTuple_GET_ITEM(plan, at->comm), PyTuple_GET_ITEM(plan, at->mpi));
+    return comm_alive(p->comm, p->mpi);
+}
+
+/* 1 if TENSOR is still P's tensor I (object, memory, size, one block of memory), 0 if not,
+   -1 on error */
+static int tensor_i_holds(Plan *p, Py_ssize_t i, PyObject *tensor) {
+    return tensor_holds(tensor, PyTuple_GET_ITEM(p->refs, i), PyTuple_GET_ITEM(p->ptrs, i),
+                        PyTuple_GET_ITEM(p->numels, i));
+}
+
+/* group_holds, then P's one tensor still TENSOR with its dtype */
+static int plan_holds(Plan *p, PyObject *tensor, PyObject *group) {
+    int eq = group_holds(p, group);
     if (eq == 1)
-        eq = tensor_holds(tensor, PyTuple_GET_ITEM(plan, at->ref), PyTuple_GET_ITEM(plan, at->ptr),
-                          PyTuple_GET_ITEM(plan, at->numel));
+        eq = tensor_i_holds(p, 0, tensor);
     if (eq == 1)
-        eq = same_dtype(tensor, PyTuple_GET_ITEM(plan, at->dtype));
+        eq = same_dtype(tensor, p->dtype);
     return eq;
 }
 
@@ -210,35 +396,21 @@ static PyObject *all_reduce_sum(PyObject *self, PyObject *const *args, Py_ssize_
 }
 
 static PyObject *run_plan(PyObject *plan, PyObject *tensor, PyObject *group) {
-    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != P_LEN
-            || PyTuple_GET_ITEM(plan, P_HANDLES) == Py_None)
+    Plan *p = (Plan *)plan;
+    if (!Py_IS_TYPE(plan, &PlanType) || p->code != ALLREDUCE)
         Py_RETURN_FALSE;
-    static const PlanIndex at = {P_REF, P_PTR, P_NUMEL, P_DTYPE, P_GROUP, P_COMM, P_MPI};
-    int eq = plan_holds(plan, &at, tensor, group);
+    int eq = plan_holds(p, tensor, group);
     if (eq < 0)
         return NULL;
     if (eq == 0)
         Py_RETURN_FALSE;
     /* the plan holds: this object, this memory, this many elements, this live communicator */
-    PyObject *h = PyTuple_GET_ITEM(plan, P_HANDLES);   /* (comm, datatype, op) as ints */
-    void *buf = PyLong_AsVoidPtr(PyTuple_GET_ITEM(plan, P_PTR));
-    long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(plan, P_NUMEL));
-    intptr_t hcomm = (intptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(h, 0));
-    intptr_t htype = (intptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(h, 1));
-    intptr_t hop = (intptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(h, 2));
-    if (PyErr_Occurred())
-        return NULL;
-    if (count < 0 || count > INT_MAX)
-        Py_RETURN_FALSE;                  /* MPI's int count: the Python path cuts it up */
-    PyObject *entry = record_start(PyTuple_GET_ITEM(plan, P_COMM), s_op,
-                                   PyTuple_GET_ITEM(plan, P_SHAPE), PyTuple_GET_ITEM(plan, P_DTYPE));
+    PyObject *entry = record_start(p->comm, s_op, p->shape, p->dtype);
     if (entry == NULL)
         return NULL;
     int rc;
-    /* handles are pointers in Open MPI and ints in MPICH: the casts compile for both */
     Py_BEGIN_ALLOW_THREADS
-    rc = MPI_Allreduce(MPI_IN_PLACE, buf, (int)count, (MPI_Datatype)htype, (MPI_Op)hop,
-                       (MPI_Comm)hcomm);
+    rc = MPI_Allreduce(MPI_IN_PLACE, p->buf, p->count, p->htype, p->hop, p->hcomm);
     Py_END_ALLOW_THREADS
     return record_end(entry, rc);
 }
@@ -283,79 +455,44 @@ static PyObject *exchange(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return done;
 }
 
-/* the program's table: its bytes as WIDTH-byte ints, their count in *COUNT (NULL: not one) */
-static const char *table_of(PyObject *prog, Py_ssize_t width, Py_ssize_t *count) {
-    PyObject *b = PyTuple_GET_ITEM(prog, 3);
-    if (!PyBytes_Check(b) || PyBytes_GET_SIZE(b) % width)
-        return NULL;
-    *count = PyBytes_GET_SIZE(b) / width;
-    return PyBytes_AS_STRING(b);
-}
-
 static PyObject *run_xplan(PyObject *plan, PyObject *tensors, PyObject *group) {
-    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != X_LEN)
-        Py_RETURN_FALSE;
-    PyObject *refs = PyTuple_GET_ITEM(plan, X_REFS), *ptrs = PyTuple_GET_ITEM(plan, X_PTRS),
-             *numels = PyTuple_GET_ITEM(plan, X_NUMELS), *prog = PyTuple_GET_ITEM(plan, X_PROG);
+    Plan *p = (Plan *)plan;
     Py_ssize_t n = PyTuple_GET_SIZE(tensors);
-    if (!PyTuple_Check(prog) || PyTuple_GET_SIZE(prog) != 5 || !PyTuple_Check(refs)
-            || PyTuple_GET_SIZE(refs) != n || !PyTuple_Check(ptrs) || PyTuple_GET_SIZE(ptrs) != n
-            || !PyTuple_Check(numels) || PyTuple_GET_SIZE(numels) != n
-            || (PyTuple_GET_ITEM(plan, X_GROUP) != group && PyTuple_GET_ITEM(plan, X_COMM) != group))
+    if (!Py_IS_TYPE(plan, &PlanType) || (p->code != ALLTOALLV && p->code != SENDRECV)
+            || PyTuple_GET_SIZE(p->refs) != n)
         Py_RETURN_FALSE;
-    int eq = comm_alive(PyTuple_GET_ITEM(plan, X_COMM), PyTuple_GET_ITEM(plan, X_MPI));
+    int eq = group_holds(p, group);
     for (Py_ssize_t i = 0; eq == 1 && i < n; i++)
-        eq = tensor_holds(PyTuple_GET_ITEM(tensors, i), PyTuple_GET_ITEM(refs, i),
-                          PyTuple_GET_ITEM(ptrs, i), PyTuple_GET_ITEM(numels, i));
+        eq = tensor_i_holds(p, i, PyTuple_GET_ITEM(tensors, i));
     if (eq < 0)
         return NULL;
     if (eq == 0)
         Py_RETURN_FALSE;
     /* the plan holds: these objects, this memory, these sizes, this live communicator */
-    long code = PyLong_AsLong(PyTuple_GET_ITEM(prog, 0));
-    intptr_t hcomm = (intptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(prog, 1));
-    intptr_t htype = (intptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(prog, 2));
-    int tag = (int)PyLong_AsLong(PyTuple_GET_ITEM(prog, 4));
-    void *out = PyLong_AsVoidPtr(PyTuple_GET_ITEM(ptrs, 0));
-    void *in = n > 1 ? PyLong_AsVoidPtr(PyTuple_GET_ITEM(ptrs, 1)) : NULL;
-    if (PyErr_Occurred())
-        return NULL;
-    Py_ssize_t count = 0;
-    const char *table = NULL;
-    if (code == ALLTOALLV)
-        table = table_of(prog, 4 * sizeof(int), &count);      /* count: ranks */
-    else if (code == SENDRECV) {
-        table = table_of(prog, sizeof(int64_t), &count);
-        count = (count >= 3 && (count - 3) % 6 == 0) ? (count - 3) / 6 : -1;   /* steps */
-    }
-    if (table == NULL || count < 0)
-        Py_RETURN_FALSE;                  /* not a program this module runs */
-    PyObject *entry = record_start(PyTuple_GET_ITEM(plan, X_COMM), PyTuple_GET_ITEM(plan, X_OP),
-                                   PyTuple_GET_ITEM(plan, X_SHAPE), PyTuple_GET_ITEM(plan, X_DTYPE));
+    PyObject *entry = record_start(p->comm, p->op, p->shape, p->dtype);
     if (entry == NULL)
         return NULL;
     int rc = MPI_SUCCESS;
-    MPI_Comm comm = (MPI_Comm)hcomm;      /* pointers in Open MPI, ints in MPICH: both compile */
-    MPI_Datatype type = (MPI_Datatype)htype;
+    Py_ssize_t rows = p->rows;
     Py_BEGIN_ALLOW_THREADS
-    if (code == ALLTOALLV) {
+    if (p->code == ALLTOALLV) {
         /* nonblocking, then wait: a peer's call may be async_op=True (Ialltoallv), and MPI
            never matches a blocking collective with a nonblocking one */
-        const int *c = (const int *)table;
+        const int *c = (const int *)p->table;
         MPI_Request req;
-        rc = MPI_Ialltoallv(in, c, c + count, type, out, c + 2 * count, c + 3 * count, type,
-                            comm, &req);
+        rc = MPI_Ialltoallv(p->in, c, c + rows, p->htype, p->buf, c + 2 * rows, c + 3 * rows,
+                            p->htype, p->hcomm, &req);
         if (rc == MPI_SUCCESS)
             rc = MPI_Wait(&req, MPI_STATUS_IGNORE);
     } else {
-        const int64_t *t = (const int64_t *)table;
+        const int64_t *t = (const int64_t *)p->table;
         if (t[2] > 0)                     /* this rank's own block (memmove: may overlap) */
             memmove((void *)(intptr_t)t[0], (const void *)(intptr_t)t[1], (size_t)t[2]);
-        for (Py_ssize_t k = 0; rc == MPI_SUCCESS && k < count; k++) {
+        for (Py_ssize_t k = 0; rc == MPI_SUCCESS && k < rows; k++) {
             const int64_t *s = t + 3 + 6 * k;   /* send ptr, count, dst, recv ptr, count, src */
-            rc = MPI_Sendrecv((void *)(intptr_t)s[0], (int)s[1], type, (int)s[2], tag,
-                              (void *)(intptr_t)s[3], (int)s[4], type, (int)s[5], tag, comm,
-                              MPI_STATUS_IGNORE);
+            rc = MPI_Sendrecv((void *)(intptr_t)s[0], (int)s[1], p->htype, (int)s[2],
+                              p->mpi_tag, (void *)(intptr_t)s[3], (int)s[4], p->htype,
+                              (int)s[5], p->mpi_tag, p->hcomm, MPI_STATUS_IGNORE);
         }
     }
     Py_END_ALLOW_THREADS
@@ -603,8 +740,8 @@ static PyTypeObject P2PWorkType = {
 
 /* the recorder's start_p2p(): [seq, OP, comm, shape, dtype, peer, t_start, 0.0] into the ring,
    with the communicator's own p2p sequence number (FlightRecorder.start_p2p) */
-static PyObject *record_start_p2p(PyObject *plan) {
-    PyObject *uid = PyTuple_GET_ITEM(plan, Q_UID);
+static PyObject *record_start_p2p(Plan *p) {
+    PyObject *uid = p->uid;
     PyObject *last = PyDict_GetItemWithError(p2p_seq, uid);   /* borrowed */
     if (last == NULL && PyErr_Occurred())
         return NULL;
@@ -616,9 +753,7 @@ static PyObject *record_start_p2p(PyObject *plan) {
         Py_XDECREF(num);
         return NULL;
     }
-    PyObject *items[] = {PyTuple_GET_ITEM(plan, Q_OP), PyTuple_GET_ITEM(plan, Q_COMM),
-                         PyTuple_GET_ITEM(plan, Q_SHAPE), PyTuple_GET_ITEM(plan, Q_DTYPE),
-                         PyTuple_GET_ITEM(plan, Q_PEER)};
+    PyObject *items[] = {p->op, p->comm, p->shape, p->dtype, p->peer};
     return ring_entry(num, items);
 }
 
@@ -657,32 +792,23 @@ static PyObject *p2p(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 
 static PyObject *run_pplan(PyObject *plan, long op, PyObject *const *args) {
     PyObject *tensor = args[1], *peer = args[2], *tag = args[3], *group = args[4];
-    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != Q_LEN)
+    Plan *p = (Plan *)plan;
+    if (!Py_IS_TYPE(plan, &PlanType) || p->code != POINT_TO_POINT)
         Py_RETURN_FALSE;
-    PyObject *prog = PyTuple_GET_ITEM(plan, Q_PROG);   /* (comm, datatype, count, MPI peer) */
-    if (!PyTuple_Check(prog) || PyTuple_GET_SIZE(prog) != 4)
-        Py_RETURN_FALSE;
-    static const PlanIndex at = {Q_REF, Q_PTR, Q_NUMEL, Q_DTYPE, Q_GROUP, Q_COMM, Q_MPI};
-    int eq = same_value(peer, PyTuple_GET_ITEM(plan, Q_PEER));
+    int eq = same_value(peer, p->peer);
     if (eq == 1)
-        eq = same_value(tag, PyTuple_GET_ITEM(plan, Q_TAG));
+        eq = same_value(tag, p->tag);
     if (eq == 1)
-        eq = plan_holds(plan, &at, tensor, group);
+        eq = plan_holds(p, tensor, group);
     if (eq < 0)
         return NULL;
     if (eq == 0)
         Py_RETURN_FALSE;
     /* the plan holds: this object, memory, size, dtype, peer, tag and live communicator */
-    void *buf = PyLong_AsVoidPtr(PyTuple_GET_ITEM(plan, Q_PTR));
-    intptr_t hcomm = (intptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(prog, 0));
-    intptr_t htype = (intptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(prog, 1));
-    long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(prog, 2));
-    int mpi_peer = (int)PyLong_AsLong(PyTuple_GET_ITEM(prog, 3));
-    int mpi_tag = (int)PyLong_AsLong(tag);
-    if (PyErr_Occurred())
-        return NULL;
-    if (count < 0 || count > INT_MAX)
-        Py_RETURN_FALSE;                  /* MPI's int count: the Python path cuts it up */
+    void *buf = p->buf;
+    int count = p->count, mpi_peer = p->mpi_peer, mpi_tag = p->mpi_tag;
+    MPI_Comm comm = p->hcomm;
+    MPI_Datatype type = p->htype;
     P2PWork *w = NULL;
     if (op == ISEND || op == IRECV) {     /* made first: nothing to undo after MPI started */
         w = PyObject_New(P2PWork, &P2PWorkType);
@@ -691,8 +817,8 @@ static PyObject *run_pplan(PyObject *plan, long op, PyObject *const *args) {
         w->req = MPI_REQUEST_NULL;
         w->is_recv = op == IRECV;
         w->done = 1;                      /* until started: dealloc frees nothing */
-        w->type = (MPI_Datatype)htype;
-        w->count = (int)count;
+        w->type = type;
+        w->count = count;
         w->tag = mpi_tag;
         w->entry = w->future = w->exc = NULL;
         w->result = PyList_New(1);
@@ -703,21 +829,19 @@ static PyObject *run_pplan(PyObject *plan, long op, PyObject *const *args) {
         }
         PyList_SET_ITEM(w->result, 0, Py_NewRef(tensor));
     }
-    PyObject *entry = record_start_p2p(plan);
+    PyObject *entry = record_start_p2p(p);
     if (entry == NULL) {
         Py_XDECREF(w);
         return NULL;
     }
     int rc;
-    MPI_Comm comm = (MPI_Comm)hcomm;      /* pointers in Open MPI, ints in MPICH: both compile */
-    MPI_Datatype type = (MPI_Datatype)htype;
     MPI_Status status;
     Py_BEGIN_ALLOW_THREADS
     switch (op) {
-    case ISEND: rc = MPI_Isend(buf, (int)count, type, mpi_peer, mpi_tag, comm, &w->req); break;
-    case IRECV: rc = MPI_Irecv(buf, (int)count, type, mpi_peer, mpi_tag, comm, &w->req); break;
-    case SEND: rc = MPI_Send(buf, (int)count, type, mpi_peer, mpi_tag, comm); break;
-    default: rc = MPI_Recv(buf, (int)count, type, mpi_peer, mpi_tag, comm, &status); break;
+    case ISEND: rc = MPI_Isend(buf, count, type, mpi_peer, mpi_tag, comm, &w->req); break;
+    case IRECV: rc = MPI_Irecv(buf, count, type, mpi_peer, mpi_tag, comm, &w->req); break;
+    case SEND: rc = MPI_Send(buf, count, type, mpi_peer, mpi_tag, comm); break;
+    default: rc = MPI_Recv(buf, count, type, mpi_peer, mpi_tag, comm, &status); break;
     }
     Py_END_ALLOW_THREADS
     int truncated = op == RECV && rc != MPI_SUCCESS && is_truncation(rc);   /* completed */
@@ -736,7 +860,7 @@ static PyObject *run_pplan(PyObject *plan, long op, PyObject *const *args) {
     Py_DECREF(entry);
     if (op == SEND)
         Py_RETURN_TRUE;
-    if (truncated || !count_holds(&status, type, (int)count)) {
+    if (truncated || !count_holds(&status, type, count)) {
         PyObject *exc = count_error_of("recv", tensor, &status, mpi_tag, truncated);
         if (exc != NULL) {
             PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
@@ -822,10 +946,11 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     s_mpi = PyUnicode_InternFromString("mpi");
     if (!s_op || !s_data_ptr || !s_numel || !s_is_contiguous || !s_dtype || !s_seq || !s_mpi)
         return NULL;
-    if (PyType_Ready(&P2PWorkType) < 0)
+    if (PyType_Ready(&P2PWorkType) < 0 || PyType_Ready(&PlanType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m == NULL || PyModule_AddObjectRef(m, "P2PWork", (PyObject *)&P2PWorkType) < 0) {
+    if (m == NULL || PyModule_AddObjectRef(m, "P2PWork", (PyObject *)&P2PWorkType) < 0
+            || PyModule_AddObjectRef(m, "Plan", (PyObject *)&PlanType) < 0) {
         Py_XDECREF(m);
         return NULL;
     }

@@ -3,9 +3,9 @@
 all_reduce(SUM) plans first; the exchange plans (all_to_all_single, all_gather, all_to_all)
 below them.
 
-DDP's buckets, loss and metric reductions reduce the same tensors every step. A plan keeps,
-per tensor (by identity, through a weak reference), the communicator, the numpy view, the MPI
-op and the shape/dtype for the flight recorder. ``all_reduce`` calls :data:`hit` first: when
+DDP's buckets, loss and metric reductions reduce the same tensors every step. A plan (one
+Plan type for every kind, below) keeps, per tensor (by identity, through a weak reference),
+the communicator, the MPI work and the shape/dtype for the flight recorder. ``all_reduce`` calls :data:`hit` first: when
 the tensor is the same object with the same memory and element count, the group resolves to
 the same live communicator and the op is SUM, ``hit`` records the op, runs MPI_Allreduce and
 answers True; anything else answers False and the full path validates and re-plans.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from functools import partial
 
 from hpcddp import settings
 from hpcddp.comm import startup as _rt
@@ -38,65 +39,78 @@ plans: dict = {}
 ENV_MODE = "HPCDDP_FASTPATH"
 
 
-# -- the one lifetime rule of every plan table ---------------------------------------------------
-# A plan is filed under id() of its call's first tensor and holds a weak reference to it (its
-# field 0, or the first of the tuple of references there): that tensor's death drops the plan, and a new id() reusing the key finds the
-# reference dead or another object, so the hit refuses it. A full table is cleared: the plans
-# come back on the next calls.
+# -- one Plan type, one lifetime rule ------------------------------------------------------------
+# Every plan (all_reduce, exchange, point-to-point) is a Plan: the C module's type where it is
+# built (its constructor unpacks the program into C fields once: _fastpath.c), else PyPlan,
+# the same fields for the Python hits. A plan is filed under id() of its call's first tensor
+# and holds a weak reference to it (refs[0]): that tensor's death drops the plan, and a new
+# id() reusing the key finds the reference dead or another object, so the hit refuses it. A
+# full table is cleared: the plans come back on the next calls.
+ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT = range(4)   # programs (_fastpath.c's enum)
 
-def remember(table: dict, tensor, make) -> None:
-    """File MAKE(weak reference to TENSOR) as TABLE's plan for TENSOR."""
-    key = id(tensor)
+
+class PyPlan:
+    """A planned call (the Python hits' Plan; _fastpath.Plan has these fields). REFS, PTRS,
+    NUMELS: per tensor of the call; GROUP as passed, its Communicator COMM and COMM.mpi; OP,
+    SHAPE, DTYPE: what the recorder writes; RUN: the MPI work in Python; PROG: what C runs
+    (None: C cannot); PEER, TAG, UID: point-to-point only."""
+    __slots__ = ("refs", "ptrs", "numels", "group", "comm", "mpi", "op", "shape", "dtype",
+                 "run", "prog", "peer", "tag", "uid")
+
+    def __init__(self, refs, ptrs, numels, group, comm, mpi, op, shape, dtype, run, prog,
+                 peer=None, tag=None, uid=None):
+        self.refs, self.ptrs, self.numels = refs, ptrs, numels
+        self.group, self.comm, self.mpi = group, comm, mpi
+        self.op, self.shape, self.dtype = op, shape, dtype
+        self.run, self.prog = run, prog
+        self.peer, self.tag, self.uid = peer, tag, uid
+
+
+def remember(table: dict, tensors: tuple, group, comm, *fields, **p2p) -> None:
+    """File a Plan of TENSORS (the call's, in its order) reached through GROUP on COMM, with
+    FIELDS (op, shape, dtype, run, prog) and P2P (peer, tag, uid), under the first tensor."""
+    rt = _rt._runtime
+    if rt is not None and comm is rt.world:
+        group = None     # direct calls (group=None) and torch's world group share one plan
+    first = tensors[0]
+    key = id(first)
     if len(table) >= MAX_PLANS:
         table.clear()
-    table[key] = make(weakref.ref(tensor, lambda r, k=key, tb=table: _drop(tb, k, r)))
+    # the first tensor's death drops the plan; the others are only compared
+    refs = (weakref.ref(first, lambda r, k=key, tb=table: _drop(tb, k, r)),
+            *(weakref.ref(t) for t in tensors[1:]))
+    table[key] = Plan(refs, tuple(t.data_ptr() for t in tensors),
+                      tuple(t.numel() for t in tensors), group, comm, comm.mpi, *fields, **p2p)
 
 
 def _drop(table: dict, key: int, ref) -> None:
     plan = table.get(key)
-    if plan is not None:
-        first = plan[0]
-        if first is ref or (type(first) is tuple and first[0] is ref):
-            del table[key]
-
-
-def _handles(comm, arr, mop):
-    """(communicator, datatype, op) as the ints MPI_Allreduce takes, for the C hit. None where
-    the view's type has no predefined MPI datatype (then only the Python hit runs the plan)."""
-    datatype = datatype_handle(arr)
-    if datatype is None:
-        return None
-    return MPI._handleof(comm.mpi), datatype, MPI._handleof(mop)
+    if plan is not None and plan.refs[0] is ref:
+        del table[key]
 
 
 def make_plan(tensor, group, comm, arr, mop) -> None:
-    """Remember a validated SUM all_reduce of TENSOR on COMM (reached through GROUP).
-
-    Layout (read by :func:`hit_py` and by _fastpath.c, whose enum names these): 0 weak ref,
-    1 data_ptr, 2 the group as passed (None for the world), 3 comm, 4 numel, 5 comm.mpi,
-    6 shape, 7 dtype, 8 numpy view, 9 MPI op, 10 (comm, datatype, op) handles or None.
-    """
+    """Remember a validated SUM all_reduce of TENSOR on COMM (reached through GROUP)."""
     if arr.nbytes >= AGREE_BYTES:
         return           # large calls take the full path, whose record() agrees on the call
-    rt = _rt._runtime
-    if rt is not None and comm is rt.world:
-        group = None     # direct calls (group=None) and torch's world group share one plan
-    remember(plans, tensor, lambda ref: (
-        ref, tensor.data_ptr(), group, comm, tensor.numel(), comm.mpi, tensor.shape,
-        tensor.dtype, arr, mop, _handles(comm, arr, mop)))
+    datatype = datatype_handle(arr)   # None: no predefined MPI datatype, only the Python hit
+    prog = None if datatype is None else (ALLREDUCE, MPI._handleof(comm.mpi), datatype,
+                                          MPI._handleof(mop))
+    remember(plans, (tensor,), group, comm, "all_reduce", tensor.shape, tensor.dtype,
+             partial(comm.mpi.Allreduce, IN_PLACE, arr, mop), prog)
 
 
 def hit_py(tensor, group) -> bool:
     """Run TENSOR's planned SUM all_reduce on GROUP and answer True, or answer False when
     there is no plan or it no longer holds (the caller takes the full path)."""
     plan = plans.get(id(tensor))
-    if plan is not None and (plan[2] is group or plan[3] is group) \
-            and plan[0]() is tensor and plan[1] == tensor.data_ptr() \
-            and plan[4] == tensor.numel() and plan[3].mpi is plan[5] \
-            and tensor.is_contiguous() and tensor.dtype is plan[7]:
+    if plan is not None and (plan.group is group or plan.comm is group) \
+            and plan.refs[0]() is tensor and plan.ptrs[0] == tensor.data_ptr() \
+            and plan.numels[0] == tensor.numel() and plan.comm.mpi is plan.mpi \
+            and tensor.is_contiguous() and tensor.dtype is plan.dtype:
         # in-place as_strided_ and `t.data = t.view(torch.int32)` keep memory and size
-        entry = record(plan[3], "all_reduce", plan[6], plan[7])
-        plan[5].Allreduce(IN_PLACE, plan[8], plan[9])
+        entry = record(plan.comm, "all_reduce", plan.shape, plan.dtype)
+        plan.run()
         record_end(entry)
         return True
     return False
@@ -112,16 +126,12 @@ def hit_py(tensor, group) -> bool:
 A2A_SINGLE, ALL_GATHER, ALL_TO_ALL = range(3)
 PLANNED_OPS = ("all_reduce", "all_to_all_single", "all_gather", "all_to_all")   # + send/recv (C)
 xplans: tuple = ({}, {}, {})   # per kind: id(first tensor of the call) -> plan
-# plan layout (read by xhit_py and by _fastpath.c, whose enum names these)
-(X_REFS, X_PTRS, X_NUMELS, X_GROUP, X_COMM, X_MPI, X_OP, X_SHAPE, X_DTYPE, X_RUN,
- X_PROG, X_LEN) = range(12)
-# X_PROG, what the C hit runs (None: only the Python hit runs the plan):
-#   (ALLTOALLV, comm, datatype, int32 [send counts, send displs, recv counts, recv displs]):
-#       MPI_Ialltoallv + MPI_Wait from the call's tensor 1 into its tensor 0
+# an exchange plan's program (what the C hit runs; None: only the Python hit runs the plan):
+#   (ALLTOALLV, comm, datatype, int32 [send counts, send displs, recv counts, recv displs],
+#       0): MPI_Ialltoallv + MPI_Wait from the call's tensor 1 into its tensor 0
 #   (SENDRECV, comm, datatype, int64 [copy dst, copy src, copy bytes, then per step: send
-#       pointer, count, dst, recv pointer, count, src]): the own-block memcpy, then
-#       MPI_Sendrecv steps with tag TAG (hpcddp.collectives._lists._exchange)
-ALLTOALLV, SENDRECV = range(2)
+#       pointer, count, dst, recv pointer, count, src], tag): the own-block memcpy, then
+#       MPI_Sendrecv steps with the tag (hpcddp.collectives._lists._exchange)
 
 
 _seen: tuple = ({}, {}, {})     # per kind: id(first tensor) -> (ids of the call's tensors, plans made)
@@ -155,28 +165,22 @@ def make_xplan(kind: int, tensors: tuple, group, comm, op: str, shape, dtype, ru
     if shape is not None and math.prod(shape) * dtype.itemsize >= AGREE_BYTES:
         return    # large calls take the full path, whose record() agrees on the call (SHAPE,
         #           DTYPE: what it records)
-    rt = _rt._runtime
-    if rt is not None and comm is rt.world:
-        group = None
-    # the first tensor's death drops the plan; the others are only compared
-    remember(xplans[kind], tensors[0], lambda ref: (
-        (ref, *(weakref.ref(t) for t in tensors[1:])), tuple(t.data_ptr() for t in tensors),
-        tuple(t.numel() for t in tensors), group, comm, comm.mpi, op, shape, dtype, run, prog))
+    remember(xplans[kind], tensors, group, comm, op, shape, dtype, run, prog)
 
 
 def xhit_py(kind: int, tensors: tuple, group) -> bool:
     """Run the planned blocking call of KIND on TENSORS and answer True, or answer False when
     there is no plan or it no longer holds (the caller takes the full path)."""
     plan = xplans[kind].get(id(tensors[0]))
-    if plan is None or not (plan[X_GROUP] is group or plan[X_COMM] is group) \
-            or plan[X_COMM].mpi is not plan[X_MPI] or len(tensors) != len(plan[X_REFS]):
+    if plan is None or not (plan.group is group or plan.comm is group) \
+            or plan.comm.mpi is not plan.mpi or len(tensors) != len(plan.refs):
         return False
-    for t, ref, ptr, numel in zip(tensors, plan[X_REFS], plan[X_PTRS], plan[X_NUMELS]):
+    for t, ref, ptr, numel in zip(tensors, plan.refs, plan.ptrs, plan.numels):
         if ref() is not t or t.data_ptr() != ptr or t.numel() != numel \
                 or not t.is_contiguous():
             return False
-    entry = record(plan[X_COMM], plan[X_OP], plan[X_SHAPE], plan[X_DTYPE])
-    plan[X_RUN]()
+    entry = record(plan.comm, plan.op, plan.shape, plan.dtype)
+    plan.run()
     record_end(entry)
     return True
 
@@ -189,10 +193,6 @@ def xhit_py(kind: int, tensors: tuple, group) -> bool:
 # runs these plans: without it the full path runs as before and nothing is planned.
 ISEND, IRECV, SEND, RECV = range(4)
 pplans: tuple = ({}, {})   # sends, recvs: id(tensor) -> plan (a tensor may go both ways)
-# plan layout (read by _fastpath.c, whose enum names these); PROG: (comm, datatype, count,
-# MPI peer) as ints (MPI_ANY_SOURCE for an irecv/recv from any rank)
-(Q_REF, Q_PTR, Q_NUMEL, Q_DTYPE, Q_GROUP, Q_COMM, Q_MPI, Q_PEER, Q_TAG, Q_SHAPE, Q_UID, Q_OP,
- Q_PROG, Q_LEN) = range(14)
 
 
 def make_pplan(recv: bool, tensor, group, comm, arr, peer, tag) -> bool:
@@ -204,13 +204,10 @@ def make_pplan(recv: bool, tensor, group, comm, arr, peer, tag) -> bool:
     datatype = datatype_handle(arr)
     if datatype is None:
         return False
-    rt = _rt._runtime
-    if rt is not None and comm is rt.world:
-        group = None
-    prog = (MPI._handleof(comm.mpi), datatype, arr.size, MPI.ANY_SOURCE if peer is None else peer)
-    remember(pplans[recv], tensor, lambda ref: (
-        ref, tensor.data_ptr(), tensor.numel(), tensor.dtype, group, comm, comm.mpi, peer, tag,
-        tensor.shape, comm.uid, "recv" if recv else "send", prog))
+    prog = (POINT_TO_POINT, MPI._handleof(comm.mpi), datatype, arr.size,
+            MPI.ANY_SOURCE if peer is None else peer)   # MPI's peer: any source for None
+    remember(pplans[recv], (tensor,), group, comm, "recv" if recv else "send", tensor.shape,
+             tensor.dtype, None, prog, peer=peer, tag=tag, uid=comm.uid)
     return True
 
 
@@ -250,6 +247,7 @@ else:
     _c, WHY_PYTHON = _load_c()
     if _c is None and MODE == "force":
         raise ImportError(f"{ENV_MODE}=force: the C all_reduce hit cannot run: {WHY_PYTHON}")
+Plan = PyPlan if _c is None else _c.Plan
 hit = hit_py if _c is None else _c.all_reduce_sum
 xhit = xhit_py if _c is None else _c.exchange
 phit = _no_phit if _c is None else _c.p2p
