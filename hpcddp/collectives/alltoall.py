@@ -16,7 +16,7 @@ from hpcddp.collectives._plans import A2A_SINGLE, ALL_TO_ALL, xhit as _xhit
 from hpcddp.collectives._common import (as_array, as_arrays, check_list, finish_or_work,
                                         record, record_end, resolve)
 from hpcddp.collectives import _device
-from hpcddp.collectives.paths import Call, route, take
+from hpcddp.collectives.paths import Call, pair, route, take
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.comm._mpi import MPI
 
@@ -87,22 +87,14 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             and (output_split_sizes is None or len(output_split_sizes) == 0) \
             and _xhit(A2A_SINGLE, (output, input), group):
         return None
-    comm = resolve(group, fn)
-    call = Call()
-    call.comm, call.group, call.async_op = comm, group, async_op
-    call.output, call.input = output, input
-    try:
-        out = as_array(output, fn, "output")
-        inp = as_array(input, fn, "input")
-    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): the device path checks
-        call.device, call.nbytes = True, 0
+    call = pair(fn, output, input, group, async_op)
+    if call.device:
         call.extra = (output_split_sizes, input_split_sizes)
     else:
-        call.device, call.nbytes = False, inp.nbytes
-        call.out, call.inp = out, inp
-        call.extra = _layout(output, input, out, inp, output_split_sizes, input_split_sizes,
-                             group, comm)   # (counts, displacements) both ways
-        call.entry = record(comm, "all_to_all", input.shape, input.dtype)
+        call.nbytes = call.inp.nbytes
+        call.extra = _layout(output, input, call.out, call.inp, output_split_sizes,
+                             input_split_sizes, group, call.comm)   # counts, displacements
+        call.entry = record(call.comm, "all_to_all", input.shape, input.dtype)
     return take(_ALL_TO_ALL_SINGLE, call)
 
 

@@ -16,7 +16,7 @@ from hpcddp.collectives._plans import ALL_GATHER, xhit as _xhit
 from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, check_list,
                                         finish_or_work, record, record_end, resolve, same_spec)
 from hpcddp.collectives import _device
-from hpcddp.collectives.paths import Call, route, take
+from hpcddp.collectives.paths import Call, pair, route, take
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.diagnostics import mismatch as _mismatch
 
@@ -96,16 +96,10 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     output_tensor: n * input.numel() elements (n stacked or concatenated blocks).
     """
     fn = "all_gather_into_tensor"
-    comm = resolve(group, fn)
-    call = Call()
-    call.comm, call.group, call.async_op = comm, group, async_op
-    call.output, call.input = output_tensor, input_tensor
-    try:
-        out = as_array(output_tensor, fn, "output_tensor")
-        inp = as_array(input_tensor, fn, "input_tensor")
-    except DeviceTensor:
-        call.device, call.nbytes = True, 0
-    else:
+    call = pair(fn, output_tensor, input_tensor, group, async_op, "output_tensor",
+                "input_tensor")
+    if not call.device:
+        comm = call.comm
         if output_tensor.dtype != input_tensor.dtype:
             raise TypeError(f"{fn}: output_tensor has dtype {output_tensor.dtype}, expected "
                             f"{input_tensor.dtype} (input_tensor's)")
@@ -113,9 +107,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
             raise ValueError(f"{fn}: output_tensor has {output_tensor.numel()} elements, "
                              f"expected {input_tensor.numel() * comm.size} (input's "
                              f"{input_tensor.numel()} x group size {comm.size})")
-        call.device, call.nbytes = False, out.nbytes
-        call.out, call.inp = out, inp
-        call.arr = out                          # the hierarchical row's count test
+        call.nbytes = call.out.nbytes
+        call.arr = call.out                     # the hierarchical row's count test
         call.entry = record(comm, "all_gather", input_tensor.shape, input_tensor.dtype)
     return take(_ALL_GATHER_INTO_TENSOR, call)
 
@@ -210,19 +203,25 @@ def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
 
     gather_list: n tensors shaped like TENSOR on DST; None (or []) on the other ranks.
     """
-    fn = "gather"
-    call = _one(fn, tensor, group, async_op, "dst", dst)
-    call.tensors = gather_list
+    return take(_GATHER, _rooted("gather", tensor, gather_list, dst, group, async_op, "dst",
+                                 "gather_list", "destination"))
+
+
+def _rooted(fn: str, tensor, lst, root, group, async_op, root_arg, list_arg, role) -> Call:
+    """The Call of gather or scatter: LST (LIST_ARG) n tensors like TENSOR on the root, None
+    or empty on the other ranks."""
+    call = _one(fn, tensor, group, async_op, root_arg, root)
+    call.tensors = lst
     if not call.device:
         comm = call.comm
-        if comm.rank == dst:
-            check_list(gather_list, comm.size, fn, "gather_list")
-            same_spec(gather_list, tensor, fn, "gather_list")
-        elif gather_list:
-            raise ValueError(f"{fn}: gather_list must be None or empty on rank {comm.rank}, "
-                             f"which is not the destination (dst={dst})")
-        call.entry = record(comm, fn, tensor.shape, tensor.dtype, dst)
-    return take(_GATHER, call)
+        if comm.rank == root:
+            check_list(lst, comm.size, fn, list_arg)
+            same_spec(lst, tensor, fn, list_arg)
+        elif lst:
+            raise ValueError(f"{fn}: {list_arg} must be None or empty on rank {comm.rank}, "
+                             f"which is not the {role} ({root_arg}={root})")
+        call.entry = record(comm, fn, tensor.shape, tensor.dtype, root)
+    return call
 
 
 def _gather_device(c: Call):
@@ -251,19 +250,8 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
 
     scatter_list: n tensors shaped like TENSOR on SRC; None (or []) on the other ranks.
     """
-    fn = "scatter"
-    call = _one(fn, tensor, group, async_op, "src", src)
-    call.tensors = scatter_list
-    if not call.device:
-        comm = call.comm
-        if comm.rank == src:
-            check_list(scatter_list, comm.size, fn, "scatter_list")
-            same_spec(scatter_list, tensor, fn, "scatter_list")
-        elif scatter_list:
-            raise ValueError(f"{fn}: scatter_list must be None or empty on rank {comm.rank}, "
-                             f"which is not the source (src={src})")
-        call.entry = record(comm, fn, tensor.shape, tensor.dtype, src)
-    return take(_SCATTER, call)
+    return take(_SCATTER, _rooted("scatter", tensor, scatter_list, src, group, async_op, "src",
+                                  "scatter_list", "source"))
 
 
 def _scatter_device(c: Call):

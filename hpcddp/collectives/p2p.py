@@ -80,13 +80,21 @@ def _isend(tensor, dst, group, tag, plan: bool):
     return take(_ISEND, _p2p("isend", tensor, dst, group, tag, plan))
 
 
-def _isend_mpi(c: Call):
-    tensor, comm, arr, dst, tag = c.tensor, c.comm, c.arr, c.root, c.tag
+def _from_plan(c: Call, op: int):
+    """Plan the validated call C and run it from its plan (the C hit): what the hit answers,
+    or False where it cannot run it (no C module, pieces, the GPU staging path's calls)."""
+    if not c.extra or not make_pplan(op in (IRECV, RECV), c.tensor, c.group, c.comm, c.arr,
+                                     c.root, c.tag):
+        return False
     # the hit is asked with COMM: GROUP may be a torch group the plan files under None
-    if c.extra and make_pplan(False, tensor, c.group, comm, arr, dst, tag):
-        work = phit(ISEND, tensor, dst, tag, comm)
-        if work is not False:
-            return work
+    return phit(op, c.tensor, c.root, c.tag, c.comm)
+
+
+def _isend_mpi(c: Call):
+    work = _from_plan(c, ISEND)
+    if work is not False:
+        return work
+    tensor, comm, arr, dst, tag = c.tensor, c.comm, c.arr, c.root, c.tag
     entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
     reqs = (_large.send(comm.mpi, arr, dst, tag) if _large.too_big(arr)
             else [comm.mpi.Isend(arr, dst, tag)])
@@ -105,10 +113,9 @@ def send(tensor, dst, group=None, tag=0):
 
 
 def _send_mpi(c: Call):
-    tensor, comm, arr, dst, tag = c.tensor, c.comm, c.arr, c.root, c.tag
-    if make_pplan(False, tensor, c.group, comm, arr, dst, tag) \
-            and phit(SEND, tensor, dst, tag, comm) is not False:
+    if _from_plan(c, SEND) is not False:
         return
+    tensor, comm, arr, dst, tag = c.tensor, c.comm, c.arr, c.root, c.tag
     entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
     if _large.too_big(arr):
         _large.wait(_large.send(comm.mpi, arr, dst, tag))
@@ -141,11 +148,10 @@ def _irecv(tensor, src, group, tag, plan: bool):
 
 
 def _irecv_mpi(c: Call):
+    work = _from_plan(c, IRECV)
+    if work is not False:
+        return work
     tensor, comm, arr, src, tag = c.tensor, c.comm, c.arr, c.root, c.tag
-    if c.extra and make_pplan(True, tensor, c.group, comm, arr, src, tag):
-        work = phit(IRECV, tensor, src, tag, comm)
-        if work is not False:
-            return work
     entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
     source = MPI.ANY_SOURCE if src is None else src
     reqs = (_large.recv(comm.mpi, arr, source, tag) if _large.too_big(arr)
@@ -166,11 +172,10 @@ def recv(tensor, src=None, group=None, tag=0) -> int:
 
 
 def _recv_mpi(c: Call) -> int:
+    source = _from_plan(c, RECV)
+    if source is not False:
+        return source
     tensor, comm, arr, src, tag = c.tensor, c.comm, c.arr, c.root, c.tag
-    if make_pplan(True, tensor, c.group, comm, arr, src, tag):
-        source = phit(RECV, tensor, src, tag, comm)
-        if source is not False:
-            return source
     entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
     source = MPI.ANY_SOURCE if src is None else src
     if _large.too_big(arr):

@@ -20,6 +20,8 @@ from typing import Callable
 
 from hpcddp import settings
 from hpcddp.collectives import _cma, _hier, _large, _lists, _node, _plans, _shm
+from hpcddp.collectives._common import as_array, resolve
+from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.diagnostics.mismatch import AGREE_BYTES
 
 
@@ -33,6 +35,23 @@ class Call:
     __slots__ = ("comm", "group", "async_op", "device", "nbytes", "tensor", "arr", "output",
                  "out", "input", "inp", "tensors", "views", "dtype", "op", "mop", "kind", "root",
                  "tag", "entry", "extra")
+
+
+def pair(fn: str, output, input, group, async_op: bool, out_arg: str = "output",
+         in_arg: str = "input") -> Call:
+    """The Call of op FN from INPUT into OUTPUT, with their views ``out`` and ``inp`` (or
+    ``device`` where one is a CUDA tensor: the device path checks them); nbytes is the op's."""
+    call = Call()
+    call.comm, call.group, call.async_op = resolve(group, fn), group, async_op
+    call.output, call.input, call.nbytes = output, input, 0
+    try:
+        call.out = as_array(output, fn, out_arg)
+        call.inp = as_array(input, fn, in_arg)
+    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
+        call.device = True
+    else:
+        call.device = False
+    return call
 
 
 @dataclass(frozen=True)
