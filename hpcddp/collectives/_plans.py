@@ -235,8 +235,9 @@ def _load_c():
     if ours.split("\n")[0].strip() != theirs.split("\n")[0].strip():
         return None, (f"built against another MPI ({ours.splitlines()[0]!r}) than mpi4py's "
                       f"({theirs.splitlines()[0]!r}): reinstall hpcddp")
-    _fastpath.configure(plans, xplans, _rec.RECORDER.buf, _rec.RECORDER._slots, _rec.TICK,
-                        MPI.Exception, pplans, _rec.RECORDER._p2p_seq, future_of, count_error)
+    ring, slots, clock, p2p_seq = _rec.RECORDER.native_writer()
+    _fastpath.configure(plans, xplans, ring, slots, clock, MPI.Exception, pplans, p2p_seq,
+                        future_of, count_error)
     return _fastpath, ""
 
 

@@ -70,6 +70,12 @@ class FlightRecorder:
         self.buf[next(self._slots)] = entry = [seq, op, comm, shape, dtype, peer, TICK[0], 0.0]
         return entry
 
+    def native_writer(self) -> tuple:
+        """(ring, slot cycle, clock, p2p sequence numbers by communicator uid): what a writer
+        of entries in C (hpcddp.collectives._fastpath) shares to record as start() and
+        start_p2p() do, entries laid out as SEQ ... T_END above."""
+        return self.buf, self._slots, TICK, self._p2p_seq
+
     def p2p_seq(self, comm) -> int:
         return self._p2p_seq.get(comm.uid, 0)
 
