@@ -2,11 +2,14 @@
 
 The ops (reduce.py, gather.py, ...) call ``as_array`` on their tensors while they validate a
 call; for a CUDA tensor it raises ``DeviceTensor`` (only on its cache-miss path, so CPU tensors
-pay nothing), the op marks the ``Call`` as a device call, and the dispatch table's device row
-(hpcddp.collectives.paths) runs the function of the same name here. Each one:
+pay nothing), the op marks the ``Call`` as a device call, and one of the dispatch table's two
+device rows (hpcddp.collectives.paths: "CUDA-aware MPI" where :func:`cuda_aware` says so, else
+"host staging") runs the function of the same name here with its :func:`row_ctx`. Each
+one:
 
 1. checks that the op's tensors share one device (before any message);
-2. picks the path with :func:`hpcddp.comm.cuda.decide`:
+2. runs the path its ``ctx`` names (the table's rows force it; the default ``ctx`` asks
+   :func:`hpcddp.comm.cuda.decide`, as :func:`cuda_aware` does):
 
    - DIRECT (the MPI is known to be CUDA-aware): synchronise the tensor's current stream and
      pass device pointers (:func:`hpcddp.comm.cuda.device_buffer`, the only place that makes
@@ -61,6 +64,20 @@ class DeviceCtx:
 
 
 _DEFAULT = DeviceCtx()
+
+
+def row_ctx(path: str) -> DeviceCtx:
+    """The DeviceCtx a device row of the dispatch table (hpcddp.collectives.paths) runs its
+    op with: PATH, and the default context's awareness and staging (the process's)."""
+    return DeviceCtx(path, _DEFAULT.awareness, _DEFAULT.staging)
+
+
+def cuda_aware(call) -> bool:
+    """Whether the table's CUDA-aware row takes device CALL: an MPI known to be CUDA-aware,
+    and no user-defined MPI reduce op (hpcddp.comm.cuda.decide); else host staging does."""
+    mop = getattr(call, "mop", None)
+    return _cuda.decide(_DEFAULT.aware().aware, on_device=True,
+                        custom_op=mop is not None and _is_custom(mop)) == DIRECT
 
 
 def _mod(name: str):

@@ -5,10 +5,11 @@ below them.
 
 DDP's buckets, loss and metric reductions reduce the same tensors every step. A plan (one
 Plan type for every kind, below) keeps, per tensor (by identity, through a weak reference),
-the communicator, the MPI work and the shape/dtype for the flight recorder. ``all_reduce`` calls :data:`hit` first: when
-the tensor is the same object with the same memory and element count, the group resolves to
-the same live communicator and the op is SUM, ``hit`` records the op, runs MPI_Allreduce and
-answers True; anything else answers False and the full path validates and re-plans.
+the communicator, the MPI work and the shape/dtype for the flight recorder. ``all_reduce``
+calls :data:`hit` first: when the tensor is the same object with the same memory and element
+count, the group resolves to the same live communicator and the op is SUM, ``hit`` records
+the op, runs MPI_Allreduce and answers True; anything else answers False and the full path
+validates and re-plans.
 
 ``hit`` is C (``_fastpath.c``, built at install by setup.py with the MPI compiler wrapper)
 where it was built against the MPI mpi4py runs on, else :func:`hit_py`, the same steps in

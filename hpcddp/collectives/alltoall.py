@@ -134,8 +134,8 @@ def _layout(output, input, out, inp, output_split_sizes, input_split_sizes, grou
     return counts
 
 
-def _all_to_all_single_device(c: Call):
-    return _device.all_to_all_single(c.output, c.input, *c.extra, c.comm, c.async_op)
+def _all_to_all_single_device(c: Call, ctx):
+    return _device.all_to_all_single(c.output, c.input, *c.extra, c.comm, c.async_op, ctx)
 
 
 def _all_to_all_single_mpi(c: Call):
@@ -182,8 +182,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     return take(_ALL_TO_ALL, call)
 
 
-def _all_to_all_device(c: Call):
-    return _device.all_to_all(c.output, c.input, c.comm, c.async_op)
+def _all_to_all_device(c: Call, ctx):
+    return _device.all_to_all(c.output, c.input, c.comm, c.async_op, ctx)
 
 
 def _all_to_all_lists(c: Call):   # zero-copy: each block straight from/into its tensor

@@ -51,8 +51,8 @@ def broadcast(tensor, src, group=None, async_op=False):
     return take(_BROADCAST, call)
 
 
-def _broadcast_device(c: Call):
-    return _device.broadcast(c.tensor, c.root, c.comm, c.async_op)
+def _broadcast_device(c: Call, ctx):
+    return _device.broadcast(c.tensor, c.root, c.comm, c.async_op, ctx)
 
 
 def _broadcast_cma(c: Call):   # ranks of one node: the copy split between them
@@ -113,8 +113,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     return take(_ALL_GATHER_INTO_TENSOR, call)
 
 
-def _all_gather_into_tensor_device(c: Call):
-    return _device.all_gather_into_tensor(c.output, c.input, c.comm, c.async_op)
+def _all_gather_into_tensor_device(c: Call, ctx):
+    return _device.all_gather_into_tensor(c.output, c.input, c.comm, c.async_op, ctx)
 
 
 def _all_gather_into_tensor_hier(c: Call):
@@ -174,8 +174,8 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     return take(_ALL_GATHER, call)
 
 
-def _all_gather_device(c: Call):
-    return _device.all_gather(c.tensors, c.tensor, c.comm, c.async_op)
+def _all_gather_device(c: Call, ctx):
+    return _device.all_gather(c.tensors, c.tensor, c.comm, c.async_op, ctx)
 
 
 def _all_gather_lists(c: Call):   # zero-copy: each block straight into its tensor
@@ -224,8 +224,8 @@ def _rooted(fn: str, tensor, lst, root, group, async_op, root_arg, list_arg, rol
     return call
 
 
-def _gather_device(c: Call):
-    return _device.gather(c.tensor, c.tensors, c.root, c.comm, c.async_op)
+def _gather_device(c: Call, ctx):
+    return _device.gather(c.tensor, c.tensors, c.root, c.comm, c.async_op, ctx)
 
 
 def _gather_mpi(c: Call):
@@ -254,8 +254,8 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
                                   "scatter_list", "source"))
 
 
-def _scatter_device(c: Call):
-    return _device.scatter(c.tensor, c.tensors, c.root, c.comm, c.async_op)
+def _scatter_device(c: Call, ctx):
+    return _device.scatter(c.tensor, c.tensors, c.root, c.comm, c.async_op, ctx)
 
 
 def _scatter_mpi(c: Call):

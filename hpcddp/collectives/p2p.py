@@ -101,8 +101,11 @@ def _isend_mpi(c: Call):
     return finish_or_work(True, entry, reqs, [tensor])
 
 
-_ISEND = route("send/recv/isend/irecv",
-               device=lambda c: _device.isend(c.tensor, c.root, c.comm, c.tag), mpi=_isend_mpi)
+def _isend_device(c: Call, ctx):
+    return _device.isend(c.tensor, c.root, c.comm, c.tag, ctx)
+
+
+_ISEND = route("send/recv/isend/irecv", device=_isend_device, mpi=_isend_mpi)
 
 
 def send(tensor, dst, group=None, tag=0):
@@ -124,8 +127,11 @@ def _send_mpi(c: Call):
     record_end(entry)
 
 
-_SEND = route("send/recv/isend/irecv",
-              device=lambda c: _device.send(c.tensor, c.root, c.comm, c.tag), mpi=_send_mpi)
+def _send_device(c: Call, ctx):
+    return _device.send(c.tensor, c.root, c.comm, c.tag, ctx)
+
+
+_SEND = route("send/recv/isend/irecv", device=_send_device, mpi=_send_mpi)
 
 
 def irecv(tensor, src=None, group=None, tag=0):
@@ -159,8 +165,11 @@ def _irecv_mpi(c: Call):
     return RecvWork(reqs, tensor, arr, "irecv", tag, entry)
 
 
-_IRECV = route("send/recv/isend/irecv",
-               device=lambda c: _device.irecv(c.tensor, c.root, c.comm, c.tag), mpi=_irecv_mpi)
+def _irecv_device(c: Call, ctx):
+    return _device.irecv(c.tensor, c.root, c.comm, c.tag, ctx)
+
+
+_IRECV = route("send/recv/isend/irecv", device=_irecv_device, mpi=_irecv_mpi)
 
 
 def recv(tensor, src=None, group=None, tag=0) -> int:
@@ -198,5 +207,8 @@ def _recv_mpi(c: Call) -> int:
     return statuses[0].Get_source()
 
 
-_RECV = route("send/recv/isend/irecv",
-              device=lambda c: _device.recv(c.tensor, c.root, c.comm, c.tag), mpi=_recv_mpi)
+def _recv_device(c: Call, ctx):
+    return _device.recv(c.tensor, c.root, c.comm, c.tag, ctx)
+
+
+_RECV = route("send/recv/isend/irecv", device=_recv_device, mpi=_recv_mpi)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hpcddp import settings
-from hpcddp.collectives import _cma, _hier, _large, _lists, _node, _plans, _shm
+from hpcddp.collectives import _cma, _device, _hier, _large, _lists, _node, _plans, _shm
 from hpcddp.collectives._common import as_array, resolve
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.diagnostics.mismatch import AGREE_BYTES
@@ -72,14 +72,14 @@ def _plan_hit(comm) -> str:
     return f"open ({_plans.KIND})"
 
 
-def _device(comm) -> str:
+def _cuda_aware_state(comm) -> str:
     from hpcddp.comm.cuda import cuda_awareness
     try:
-        aware = cuda_awareness().aware
-    except Exception:  # detection must never break the report
-        aware = False
-    return "open (straight to MPI, which takes device memory)" if aware else \
-        "open (staged through pinned host memory)"
+        found = cuda_awareness()
+    except Exception as e:  # detection must never break the report
+        return f"closed (detection failed: {e})"
+    return "open" if found.aware is True else \
+        f"closed (this MPI is not known to be CUDA-aware: {found.status()})"
 
 
 def _node_local(mode: str, variable: str, opened, raced: str, unopened: str):
@@ -144,7 +144,13 @@ def _lists_reduce_scatter_applies(c: Call) -> bool:
 
 PLAN = Path("plan hit", "the same tensors as a call before, blocking, "
             f"below {_mib(AGREE_BYTES)}", _plan_hit, before_call=True)
-DEVICE = Path("device", "CUDA tensors: CUDA-aware MPI, else pinned host staging", _device)
+# the device rows: every op's first two; take() asks them only for a call on CUDA tensors
+CUDA_AWARE = Path("CUDA-aware MPI", "CUDA tensors, an MPI known to be CUDA-aware, not a "
+                  "user-defined reduce op: device pointers to MPI", _cuda_aware_state,
+                  applies=_device.cuda_aware)
+STAGED = Path("host staging", "the other CUDA tensors: pinned host copies, large blocking "
+              "ones pipelined", lambda comm: "open")
+DEVICE = (CUDA_AWARE, STAGED)
 ARENA = Path("shm arena", f"SUM/AVG/PREMUL_SUM, non-bool, from {_mib(_shm.MIN_BYTES)}", _arena,
              min_bytes=_shm.MIN_BYTES, applies=_arena_applies)
 LISTS = Path("point-to-point", "the list form", _p2p_lists, applies=_lists_applies)
@@ -160,58 +166,67 @@ def _mpi(call: str, pieces: bool = True) -> Path:
 
 PATHS: dict[str, tuple[Path, ...]] = {
     "all_reduce": (Path("plan hit", f"SUM of a tensor reduced before, below {_mib(AGREE_BYTES)}",
-                        _plan_hit, before_call=True), DEVICE, ARENA, HIER, _mpi("Allreduce")),
-    "broadcast": (DEVICE, Path("CMA", f"from {_mib(_cma.MIN_BYTES)}", _cma_state,
+                        _plan_hit, before_call=True), *DEVICE, ARENA, HIER, _mpi("Allreduce")),
+    "broadcast": (*DEVICE, Path("CMA", f"from {_mib(_cma.MIN_BYTES)}", _cma_state,
                                min_bytes=_cma.MIN_BYTES, applies=_cma_applies), HIER,
                   _mpi("Bcast")),
-    "reduce": (DEVICE, _mpi("Reduce")),
-    "reduce_scatter": (DEVICE, ARENA, Path("point-to-point", "the list form, SUM/AVG, non-bool",
+    "reduce": (*DEVICE, _mpi("Reduce")),
+    "reduce_scatter": (*DEVICE, ARENA, Path("point-to-point", "the list form, SUM/AVG, non-bool",
                                            _p2p_lists, applies=_lists_reduce_scatter_applies),
                        _mpi("Reduce_scatter_block", pieces=False)),
-    "reduce_scatter_tensor": (DEVICE, ARENA, HIER, _mpi("Reduce_scatter_block", pieces=False)),
-    "all_gather": (PLAN, DEVICE, LISTS, _mpi("Allgather")),
-    "all_gather_into_tensor": (DEVICE, HIER, _mpi("Allgather")),
-    "gather": (DEVICE, _mpi("Gather(v)")),
-    "scatter": (DEVICE, _mpi("Scatter(v)")),
-    "all_to_all": (PLAN, DEVICE, LISTS, _mpi("Ialltoallv", pieces=False)),
+    "reduce_scatter_tensor": (*DEVICE, ARENA, HIER, _mpi("Reduce_scatter_block", pieces=False)),
+    "all_gather": (PLAN, *DEVICE, LISTS, _mpi("Allgather")),
+    "all_gather_into_tensor": (*DEVICE, HIER, _mpi("Allgather")),
+    "gather": (*DEVICE, _mpi("Gather(v)")),
+    "scatter": (*DEVICE, _mpi("Scatter(v)")),
+    "all_to_all": (PLAN, *DEVICE, LISTS, _mpi("Ialltoallv", pieces=False)),
     "all_to_all_single": (Path("plan hit", "even blocks, the same tensors as a call before",
-                               _plan_hit, before_call=True), DEVICE,
+                               _plan_hit, before_call=True), *DEVICE,
                           _mpi("Ialltoallv", pieces=False)),
     "send/recv/isend/irecv": (Path("plan hit", "a tensor sent or received before, same peer "
                                    "and tag (C module only)", _plan_hit, before_call=True),
-                              DEVICE, _mpi("Send/Recv (or Isend/Irecv)")),
+                              *DEVICE, _mpi("Send/Recv (or Isend/Irecv)")),
     "barrier": (Path("MPI Barrier", "always"),),
 }
 
 
-def route(op: str, **runs: Callable[[Call], object]) -> tuple:
-    """OP's rows for :func:`take`: (the device row's run, the floor, the last row's run, then
-    (min_bytes, applies, run) for the rows after the device's, in the table's order). RUNS names how each row runs, by the row's kind:
-    ``device``, ``arena``, ``cma``, ``hier``, ``lists``, ``mpi``. Every row but the plan hit
-    needs one, and every one needs a row; the device row comes first."""
+def route(op: str, **runs: Callable) -> tuple:
+    """OP's rows for :func:`take`. RUNS names how each row runs, by the row's kind:
+    ``device`` (a function of the call and the row's DeviceCtx, for both device rows),
+    ``arena``, ``cma``, ``hier``, ``lists``, ``mpi``. Every row but the plan hit needs one and
+    every one needs a row; the device rows come first, a row that always applies last."""
     rows = [p for p in PATHS[op] if not p.before_call]
-    names = [_kind(p) for p in rows]
-    if sorted(names) != sorted(runs) or names[0] != "device" or rows[-1].applies is not None:
-        raise RuntimeError(f"route({op!r}): the table's rows are {names} (device first, a last "
-                           f"row that always applies), the runners given {sorted(runs)}")
-    middle = rows[1:-1]
+    host = rows[len(DEVICE):]
+    names = [_kind(p) for p in host]
+    if tuple(rows[:len(DEVICE)]) != DEVICE or host[-1].applies is not None \
+            or sorted(["device", *names]) != sorted(runs):
+        raise RuntimeError(f"route({op!r}): the table's rows are {[p.name for p in rows]} "
+                           f"(the device rows first, a last row that always applies), the "
+                           f"runners given {sorted(runs)}")
+    device = runs["device"]
+
+    def on_cuda_aware(call):
+        return device(call, _device.row_ctx(_device.DIRECT))
+
+    def staged(call):
+        return device(call, _device.row_ctx(_device.STAGING))
     # below every middle row's min_bytes a call goes straight to the last row, the one a
     # small call takes: no row to ask (0 where a middle row applies at any size)
-    floor = min((p.min_bytes for p in middle), default=1 << 62)
-    return (runs["device"], floor, runs[names[-1]],
-            tuple((p.min_bytes, p.applies, runs[k]) for p, k in zip(rows[1:], names[1:])))
+    floor = min((p.min_bytes for p in host[:-1]), default=1 << 62)
+    return (CUDA_AWARE.applies, on_cuda_aware, staged, floor, runs[names[-1]],
+            tuple((p.min_bytes, p.applies, runs[k]) for p, k in zip(host, names)))
 
 
 def _kind(p: Path) -> str:
-    return {"device": "device", "shm arena": "arena", "CMA": "cma", "hierarchical": "hier",
+    return {"shm arena": "arena", "CMA": "cma", "hierarchical": "hier",
             "point-to-point": "lists"}.get(p.name, "mpi")
 
 
 def take(route: tuple, call: Call):
     """Run CALL on the first of ROUTE's paths that applies (the last, MPI, always does)."""
-    device, floor, last, rows = route
-    if call.device:       # the device row: its condition is this flag, tested without a call
-        return device(call)
+    aware, on_aware, staged, floor, last, rows = route
+    if call.device:       # the device rows (a flag, tested without a call)
+        return on_aware(call) if aware(call) else staged(call)
     nbytes = call.nbytes
     if nbytes < floor:    # smaller than every middle row's min_bytes
         return last(call)

@@ -38,7 +38,9 @@ def _reduction(fn: str, tensor, op, group, async_op, arg: str = "tensor") -> Cal
         call.device, call.nbytes = True, 0
     else:
         call.device, call.nbytes = False, call.arr.nbytes
-        call.mop, call.kind = reduce_op(op, tensor.dtype, fn)
+    # the MPI op: on the device too, where a user-defined one (bfloat16) keeps it off the
+    # CUDA-aware row
+    call.mop, call.kind = reduce_op(op, tensor.dtype, fn)
     return call
 
 
@@ -62,8 +64,8 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
     return take(_ALL_REDUCE, call)
 
 
-def _all_reduce_device(c: Call):
-    return _device.all_reduce(c.tensor, c.op, c.comm, c.async_op)
+def _all_reduce_device(c: Call, ctx):
+    return _device.all_reduce(c.tensor, c.op, c.comm, c.async_op, ctx)
 
 
 def _all_reduce_arena(c: Call):
@@ -127,8 +129,8 @@ def reduce(tensor, dst, op=SUM, group=None, async_op=False):
     return take(_REDUCE, call)
 
 
-def _reduce_device(c: Call):
-    return _device.reduce(c.tensor, c.root, c.op, c.comm, c.async_op)
+def _reduce_device(c: Call, ctx):
+    return _device.reduce(c.tensor, c.root, c.op, c.comm, c.async_op, ctx)
 
 
 def _reduce_mpi(c: Call):
@@ -184,8 +186,8 @@ def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
     return take(_REDUCE_SCATTER_TENSOR, call)
 
 
-def _reduce_scatter_tensor_device(c: Call):
-    return _device.reduce_scatter_tensor(c.tensor, c.input, c.op, c.comm, c.async_op)
+def _reduce_scatter_tensor_device(c: Call, ctx):
+    return _device.reduce_scatter_tensor(c.tensor, c.input, c.op, c.comm, c.async_op, ctx)
 
 
 def _reduce_scatter_tensor_arena(c: Call):
@@ -240,8 +242,8 @@ def reduce_scatter(output, input_list, op=SUM, group=None, async_op=False):
     return take(_REDUCE_SCATTER, call)
 
 
-def _reduce_scatter_device(c: Call):
-    return _device.reduce_scatter(c.tensor, c.tensors, c.op, c.comm, c.async_op)
+def _reduce_scatter_device(c: Call, ctx):
+    return _device.reduce_scatter(c.tensor, c.tensors, c.op, c.comm, c.async_op, ctx)
 
 
 def _reduce_scatter_arena(c: Call):

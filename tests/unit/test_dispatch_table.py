@@ -30,27 +30,30 @@ ROUTES = {
 @pytest.mark.parametrize("op", sorted(ROUTES))
 def test_every_op_runs_its_table_rows_in_order(op):
     module, name = ROUTES[op]
-    device, floor, last, rows = getattr(
+    aware, on_aware, staged, floor, last, rows = getattr(
         importlib.import_module(f"hpcddp.collectives.{module}"), name)
     table = [p for p in paths.PATHS[op] if not p.before_call]
-    assert table[0] is paths.DEVICE and callable(device)
-    assert [(m, a) for m, a, _ in rows] == [(p.min_bytes, p.applies) for p in table[1:]]
+    # the device rows first: CUDA-aware MPI where it applies, else host staging, one runner
+    assert tuple(table[:2]) == (paths.CUDA_AWARE, paths.STAGED) == paths.DEVICE
+    assert aware is paths.CUDA_AWARE.applies and callable(on_aware) and callable(staged)
+    host = table[2:]
+    assert [(m, a) for m, a, _ in rows] == [(p.min_bytes, p.applies) for p in host]
     # each op's runner for a row is named after the row's kind (_all_reduce_arena, ...)
-    kinds = [paths._kind(p) for p in table[1:]]
+    kinds = [paths._kind(p) for p in host]
     assert [run.__name__.rsplit("_", 1)[-1] for _, _, run in rows] == kinds
     assert last is rows[-1][2] and rows[-1][1] is None
-    assert floor == min((p.min_bytes for p in table[1:-1]), default=1 << 62)
+    assert floor == min((p.min_bytes for p in host[:-1]), default=1 << 62)
 
 
 def test_the_p2p_ops_share_one_row_list():
     p2p = importlib.import_module("hpcddp.collectives.p2p")
     for r in (p2p._SEND, p2p._RECV, p2p._IRECV):
-        assert [(m, a) for m, a, _ in r[3]] == [(m, a) for m, a, _ in p2p._ISEND[3]]
+        assert [(m, a) for m, a, _ in r[5]] == [(m, a) for m, a, _ in p2p._ISEND[5]]
 
 
 def test_route_refuses_a_row_without_a_runner_and_a_runner_without_a_row():
-    with pytest.raises(RuntimeError, match=r"route\('broadcast'\).*'device', 'cma', 'hier', "
-                                           r"'mpi'.*\['device', 'mpi'\]"):
+    with pytest.raises(RuntimeError, match=r"route\('broadcast'\).*'CMA', 'hierarchical', "
+                                           r"'MPI Bcast.*\['device', 'mpi'\]"):
         route("broadcast", device=print, mpi=print)
     with pytest.raises(RuntimeError, match="runners given"):
         route("reduce", device=print, mpi=print, arena=print)
@@ -63,11 +66,11 @@ def _fake_table(monkeypatch, asked):
             return answer
         return f
     monkeypatch.setitem(paths.PATHS, "fake", (
-        paths.PLAN, paths.DEVICE,
+        paths.PLAN, *paths.DEVICE,
         Path("shm arena", "", min_bytes=100, applies=applies("arena", False)),
         Path("hierarchical", "", min_bytes=200, applies=applies("hier", True)),
         Path("MPI Fake", "otherwise")))
-    return route("fake", device=lambda c: "device", arena=lambda c: "arena",
+    return route("fake", device=lambda c, ctx: f"device {ctx.path}", arena=lambda c: "arena",
                  hier=lambda c: "hier", mpi=lambda c: "mpi")
 
 
@@ -80,8 +83,27 @@ def _call(nbytes, device=False):
 def test_take_runs_the_first_row_that_applies_in_table_order(monkeypatch):
     asked: list = []
     r = _fake_table(monkeypatch, asked)
-    assert take(r, _call(10 << 20, device=True)) == "device" and asked == []
+    staged = take(r, _call(10 << 20, device=True))       # this MPI is not CUDA-aware
+    assert staged == "device staging" and asked == []
     assert take(r, _call(50)) == "mpi" and asked == []          # below every threshold
     assert take(r, _call(150)) == "mpi" and asked == ["arena"]  # hier's min_bytes not met
     asked.clear()
     assert take(r, _call(250)) == "hier" and asked == ["arena", "hier"]
+
+
+def test_a_device_call_takes_the_cuda_aware_row_only_where_it_applies(monkeypatch):
+    """CUDA-aware MPI for a known-aware MPI and an MPI-predefined reduce op; host staging for
+    an unknown MPI or a user-defined op (bfloat16's), as hpcddp.comm.cuda.decide says."""
+    from hpcddp.collectives import _device
+    from hpcddp.comm import cuda, ops
+
+    r = _fake_table(monkeypatch, [])
+    for aware, custom, row in ((True, False, "direct"), (None, False, "staging"),
+                               (False, False, "staging"), (True, True, "staging")):
+        monkeypatch.setattr(_device._DEFAULT, "awareness",
+                            cuda.CudaAwareness(aware, "test", "faked", "x"))
+        c = _call(0, device=True)
+        c.mop = object()
+        monkeypatch.setattr(ops, "_custom", {"bf16 sum": c.mop} if custom else {})
+        assert take(r, c) == f"device {row}", (aware, custom)
+    assert _device.cuda_aware is paths.CUDA_AWARE.applies
