@@ -3,9 +3,11 @@
 Smoke jobs check that a benchmark completes and that every implementation computed the right
 result; they never assert on speed (docs/benchmarks.md has the figures).
 """
+import glob
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -362,3 +364,47 @@ def test_stage_smoke(tmp_path):
     again = subprocess.run(HPCDDP + ["bench", "report", str(out), "--compare", str(out)],
                            capture_output=True, text=True, timeout=120, env=ENV)
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def _ab_ratios(run_dir: str) -> dict:
+    """(op, bytes, impl) -> new/old time: the median over the old-N.json / new-N.json runs of
+    their per-cell medians (an A/B of two commits in one sitting)."""
+    meds: dict = {"old": {}, "new": {}}
+    for side in meds:
+        for path in sorted(glob.glob(os.path.join(run_dir, f"{side}-*.json"))):
+            with open(path) as f:
+                for c in json.load(f)["cells"]:
+                    for impl, s in c["stats"].items():
+                        meds[side].setdefault((c["op"], c["bytes"], impl), []).append(
+                            s["median_us"])
+    assert meds["old"] and meds["old"].keys() == meds["new"].keys(), run_dir
+    return {k: statistics.median(meds["new"][k]) / statistics.median(meds["old"][k])
+            for k in meds["old"] if k[2] != "mpi4py"}
+
+
+def test_docs_dispatch_ab_figures_are_the_committed_runs():
+    """docs/benchmarks.md's "The dispatch table" quotes docs/benchmarks/dispatch-ab/: its
+    8-byte table, the median and largest of the 90 rows, and the re-run after the device rows."""
+    page = open(os.path.join(DOCS, "benchmarks.md")).read()
+    section = page.split("## The dispatch table", 1)[1].split("\n## ", 1)[0]
+    runs = os.path.join(DOCS, "benchmarks", "dispatch-ab")
+    ratio = _ab_ratios(runs)
+    names = {"send + recv": "send_recv"}
+    table = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1].replace(".", "").isdigit():
+            table[names.get(cells[0], cells[0])] = (cells[1], cells[2])
+    assert len(table) == 9, table
+    for op, (direct, torch_) in table.items():
+        assert (direct, torch_) == (f"{ratio[(op, 8, 'direct')]:.2f}",
+                                    f"{ratio[(op, 8, 'hpcddp')]:.2f}"), op
+    values = sorted(ratio.values())
+    assert len(values) == 90
+    assert f"the median ratio is {statistics.median(values):.2f} and the largest\n" \
+           f"{values[-1]:.2f}" in section
+    device = _ab_ratios(os.path.join(runs, "device-rows"))
+    largest = max(device, key=device.get)
+    assert largest == ("all_gather_into_tensor", 1024, "direct")
+    assert f"largest {device[largest]:.2f}" in section
+    assert f"broadcast at 8 B {device[('broadcast', 8, 'direct')]:.2f}" in section

@@ -28,6 +28,8 @@ import sys
 
 import pytest
 
+from vcluster_needs import need_namespaces, unavailable
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VC = str(ROOT / "scripts" / "vcluster.sh")
 JOBS = ROOT / "tests" / "vcluster"
@@ -52,24 +54,14 @@ def vc(*args, timeout=60, name=NAME, subnet=SUBNET, **kw) -> subprocess.Complete
                           env=vc_env(name, subnet), cwd=ROOT, **kw)
 
 
-def _unavailable(reason: str):
-    if os.environ.get("HPCDDP_REQUIRE_VCLUSTER") == "1":
-        pytest.fail(f"HPCDDP_REQUIRE_VCLUSTER=1 but {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def cluster(request):
-    if os.geteuid() != 0:
-        _unavailable("the virtual cluster needs root (network, UTS and mount namespaces)")
-    missing = [t for t in ("ip", "nsenter", "unshare") if not shutil.which(t)]
-    if missing:
-        _unavailable(f"the virtual cluster needs {', '.join(missing)} (iproute2, util-linux)")
+    need_namespaces("network, UTS and mount namespaces")
     # The finalizer goes in before `up`: a half-made cluster is taken down too.
     request.addfinalizer(lambda: vc("down", timeout=120))
     res = vc("up", str(NODES), timeout=120)
     if res.returncode != 0:
-        _unavailable(f"scripts/vcluster.sh up {NODES} failed (namespaces not allowed here?):\n"
+        unavailable(f"scripts/vcluster.sh up {NODES} failed (namespaces not allowed here?):\n"
                      f"{(res.stdout + res.stderr)[-2000:]}")
     return {"nodes": [f"node{i}" for i in range(1, NODES + 1)]}
 
@@ -130,12 +122,12 @@ def test_nodes_are_separate_hosts(cluster):
 def test_down_cleans_up_after_a_crash():
     """`up` killed half-way (its state file lost): `down` still finds and removes everything."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
-        _unavailable("the virtual cluster needs root and util-linux")
+        unavailable("the virtual cluster needs root and util-linux")
     name, subnet = "vcx", "10.79.0"
     try:
         res = vc("up", "2", name=name, subnet=subnet)
         if res.returncode != 0:
-            _unavailable(f"scripts/vcluster.sh up 2 failed:\n{res.stderr[-2000:]}")
+            unavailable(f"scripts/vcluster.sh up 2 failed:\n{res.stderr[-2000:]}")
         pathlib.Path(f"/run/vcluster/{name}/nodes").unlink()     # as if `up` died before writing it
         ok(vc("down", name=name, subnet=subnet), "down")
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
@@ -150,12 +142,12 @@ def test_down_cleans_up_after_a_crash():
 
 def test_shaping_puts_a_qdisc_on_both_ends_of_each_link():
     if os.geteuid() != 0 or not shutil.which("tc"):
-        _unavailable("link shaping needs root and tc (iproute2)")
+        unavailable("link shaping needs root and tc (iproute2)")
     name, subnet = "vcx", "10.79.0"
     try:
         res = vc("up", "2", "--rate", "100mbit", name=name, subnet=subnet)
         if res.returncode != 0:
-            _unavailable(f"scripts/vcluster.sh up 2 --rate 100mbit failed:\n{res.stderr[-2000:]}")
+            unavailable(f"scripts/vcluster.sh up 2 --rate 100mbit failed:\n{res.stderr[-2000:]}")
         for node in ("node1", "node2"):
             host_side = subprocess.run(["tc", "qdisc", "show", "dev", f"{name}-{node}"],
                                        capture_output=True, text=True).stdout

@@ -25,6 +25,7 @@ import time
 import pytest
 
 from hpcddp.launch.templates import render
+from vcluster_needs import need_namespaces, unavailable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VC = str(ROOT / "scripts" / "vcluster.sh")
@@ -50,31 +51,21 @@ def sh(cmd, timeout=60, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), **kw)
 
 
-def _unavailable(reason: str):
-    if os.environ.get("HPCDDP_REQUIRE_VCLUSTER") == "1":
-        pytest.fail(f"HPCDDP_REQUIRE_VCLUSTER=1 but {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def vslurm(request):
-    if os.geteuid() != 0:
-        _unavailable("the virtual cluster needs root (namespaces, daemons)")
-    missing = [t for t in ("ip", "nsenter", "unshare") if not shutil.which(t)]
-    if missing:
-        _unavailable(f"the virtual cluster needs {', '.join(missing)} (iproute2, util-linux)")
+    need_namespaces("namespaces, daemons")
     if not shutil.which("apt-get") and not shutil.which("slurmctld"):
-        _unavailable("no apt-get to install Slurm and no Slurm installed")
+        unavailable("no apt-get to install Slurm and no Slurm installed")
     request.addfinalizer(lambda: sh(["bash", VC, "down"], 120))   # also after a half-made up
     res = sh(["bash", VC, "up", "2"], 120)
     if res.returncode != 0:
-        _unavailable(f"scripts/vcluster.sh up 2 failed:\n{(res.stdout + res.stderr)[-2000:]}")
+        unavailable(f"scripts/vcluster.sh up 2 failed:\n{(res.stdout + res.stderr)[-2000:]}")
     try:
         res = sh(["bash", VC, "slurm-up"], 900)
     except subprocess.TimeoutExpired:
-        _unavailable("scripts/vcluster.sh slurm-up did not finish in 900 s (apt-get?)")
+        unavailable("scripts/vcluster.sh slurm-up did not finish in 900 s (apt-get?)")
     if res.returncode != 0:
-        _unavailable(f"scripts/vcluster.sh slurm-up failed:\n{(res.stdout + res.stderr)[-3000:]}")
+        unavailable(f"scripts/vcluster.sh slurm-up failed:\n{(res.stdout + res.stderr)[-3000:]}")
     return True
 
 

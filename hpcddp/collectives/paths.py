@@ -30,8 +30,8 @@ class Call:
     (a reduction its ``mop`` and ``kind``, a rooted op its ``root``, ...); a path reads only
     the fields of the ops it serves. Every op sets ``comm``, ``group``, ``async_op``,
     ``device`` (the tensors are CUDA tensors, which the CPU validation leaves to the device
-    path) and ``nbytes``. No __init__: the fields are set where they are found, and an object
-    with an __init__ of seven arguments cost a small call a tenth of a microsecond more."""
+    path) and ``nbytes``. No __init__: the fields are set where they are found, which costs a
+    small call less than an __init__ would (docs/benchmarks.md, "The dispatch table")."""
     __slots__ = ("comm", "group", "async_op", "device", "nbytes", "tensor", "arr", "output",
                  "out", "input", "inp", "tensors", "views", "dtype", "op", "mop", "kind", "root",
                  "tag", "entry", "extra")
