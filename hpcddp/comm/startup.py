@@ -22,6 +22,7 @@ from hpcddp.comm import output as _log
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import Communicator
 from hpcddp.comm.topology import Topology, build_topology, emulated_ranks_per_node
+from hpcddp.launch import process
 
 THREAD_LEVELS = {
     "single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED,
@@ -102,6 +103,7 @@ def _start(thread_level: str) -> Runtime:
         we_init = True
     if we_init:
         atexit.register(_finalize_at_exit)
+    process.own()     # hpcddp's hooks act in this process only, never in its forked children
     # raises LaunchWorldError (a RuntimeError) for torchrun's workers and for an MPI that did
     # not connect to its launcher; returns a warning for a partial stray WORLD_SIZE or RANK
     stray_warning = check_world(launch, MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(),
@@ -134,6 +136,8 @@ def _start(thread_level: str) -> Runtime:
                  mpi_library=lib, mpi_version=ver, we_initialized=we_init, notes=notes)
     for n in notes:
         _log.log(f"hpcddp.init: {n}")
+    if launch is not None:
+        process.watch_launcher(say=_log.log)   # a rank outliving its mpirun ends itself
     return rt
 
 
@@ -184,6 +188,8 @@ def finalize() -> None:
 
 
 def _finalize_at_exit() -> None:
+    if not process.in_rank_process():     # a forked child exiting: MPI is its parent's
+        return
     if MPI.Is_initialized() and not MPI.Is_finalized():
         _run_hooks(hpcddp.ON_MPI_FINALIZE)
         MPI.Finalize()

@@ -314,10 +314,14 @@ def pack(source, out: str, *, format: str = "lmdb", shard_bytes: int = DEFAULT_S
         name = mf.shard_name(idx, format)
         path = os.path.join(out, name)
         first = len(keys) - len(pending)
+        # written under a partial name and renamed: a pack killed mid-shard leaves no shard
+        # under its final name that is not whole (the manifest, written last, lists them)
+        partial = path + mf.PARTIAL_SUFFIX
         if format == "lmdb":
-            _write_lmdb(path, first, pending)
+            _write_lmdb(partial, first, pending)
         else:
-            _write_hdf5(path, first, pending, enc.encoding)
+            _write_hdf5(partial, first, pending, enc.encoding)
+        os.replace(partial, path)
         sha, crc = mf.file_digests(path)
         shards.append({"name": name, "first": first, "count": len(pending),
                        "bytes": os.path.getsize(path), "sha256": sha, "crc32c": crc})

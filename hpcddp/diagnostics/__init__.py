@@ -129,6 +129,9 @@ def shutdown_diagnostics() -> None:
     global _watchdog
     from hpcddp.comm._mpi import MPI
     from hpcddp.diagnostics import mismatch, recorder
+    from hpcddp.launch import process
+    if not process.in_rank_process():     # a forked child exiting: the watchdog is the rank's
+        return
     with _lock:
         wd, _watchdog = _watchdog, None
     if wd is None or MPI.Is_finalized():

@@ -2,35 +2,60 @@
 
 Without it the other ranks wait forever in their next collective (the seeds' most common
 hang). Like ``python -m mpi4py``: print the traceback with the rank prefix, then MPI_Abort.
+Only in the rank's own process: a forked child (a DataLoader worker) gets Python's hooks back
+and reports its exceptions as Python and torch do, without MPI (hpcddp.launch.process).
 """
 from __future__ import annotations
 
 import io
+import signal
 import sys
 import threading
+import time
 import traceback
+
+from hpcddp.launch import process
 
 _installed = False
 
 
 ABORT_EXIT_CODE = 1
+# MPI_Abort tears down the launcher's output forwarding at once: a traceback written just
+# before it was lost now and then (seen under mpirun --with-ft ulfm)
+OUTPUT_GRACE_S = 0.2
+_hooks_before: list = []          # (sys.excepthook, threading.excepthook) before ours
 
 
 def _abort_with(exc_type, exc, tb) -> None:
     from hpcddp.comm import output as _log
+    if threading.current_thread() is threading.main_thread():
+        # torch's DataLoader raises from its SIGCHLD handler when a worker died: raised
+        # again here, it would skip the report below
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     try:
         try:
             sys.stdout.flush()
         except Exception:
             pass
+        # torch.distributed's own excepthook calls this one with sys.stderr swapped for a
+        # StringIO that it prints afterwards: after MPI_Abort there is no afterwards
+        out = sys.__stderr__ if isinstance(sys.stderr, io.StringIO) else sys.stderr
         _log.log(f"uncaught exception, aborting the job (abort_on_exception; exit code "
-                 f"{ABORT_EXIT_CODE}):\n{text}")
+                 f"{ABORT_EXIT_CODE}):\n{text}", file=out)
+        time.sleep(OUTPUT_GRACE_S)
     finally:
         from hpcddp.comm._mpi import MPI
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.COMM_WORLD.Abort(ABORT_EXIT_CODE)
         sys.exit(1)
+
+
+def _restore_hooks_in_child() -> None:
+    """In a forked child: the exception hooks the rank had before hpcddp's (Python's own,
+    unless the user set others), so its exceptions are reported without MPI."""
+    if _hooks_before:
+        sys.excepthook, threading.excepthook = _hooks_before[0]
 
 
 def install_abort_on_exception() -> None:
@@ -40,15 +65,22 @@ def install_abort_on_exception() -> None:
         return
     _installed = True
     previous = sys.excepthook
+    previous_thread_hook = threading.excepthook
 
     def hook(exc_type, exc, tb):
-        if issubclass(exc_type, SystemExit):
+        if issubclass(exc_type, SystemExit) or not process.in_rank_process():
             return previous(exc_type, exc, tb)
         _abort_with(exc_type, exc, tb)
 
+    def thread_hook(args):
+        if not process.in_rank_process():
+            return previous_thread_hook(args)
+        _abort_with(args.exc_type, args.exc_value, args.exc_traceback)
+
+    _hooks_before.append((previous, previous_thread_hook))
     sys.excepthook = hook
-    threading.excepthook = lambda args: _abort_with(args.exc_type, args.exc_value,
-                                                    args.exc_traceback)
+    threading.excepthook = thread_hook
+    process.on_fork_child(_restore_hooks_in_child)
 
 
 def install_rank_prefixed_excepthook() -> None:

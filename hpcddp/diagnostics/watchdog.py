@@ -36,28 +36,9 @@ from hpcddp.diagnostics import config as _cfg
 from hpcddp.diagnostics import recorder as _rec
 from hpcddp.diagnostics import report as _report
 from hpcddp.diagnostics import state as _state
+from hpcddp.launch.process import pid_state
 
 TAG_REQ, TAG_STATE, TAG_STALL, TAG_ACK = 11, 12, 13, 14
-
-
-def pid_state(pid: int) -> str:
-    """'dead', 'alive' (for a PID on this host)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return "dead"
-    except PermissionError:
-        return "alive"
-    except OSError:
-        return "alive"
-    try:  # a killed rank not yet reaped by its launcher daemon is a zombie: dead too
-        with open(f"/proc/{pid}/stat") as f:
-            st = f.read().rsplit(")", 1)[1].split()[0]
-        if st in ("Z", "X"):
-            return "dead"
-    except (OSError, IndexError):
-        pass
-    return "alive"
 
 
 class Watchdog:

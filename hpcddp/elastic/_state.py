@@ -72,6 +72,35 @@ def is_process_failure(exc: BaseException, comm=None) -> bool:
     return False
 
 
+# torch's DataLoader says so when one of its worker processes died (killed from outside: the
+# OOM killer picks the largest process, often a worker)
+LOADER_WORKER_DIED = ("DataLoader worker (pid", "exited unexpectedly", "is killed by signal")
+
+
+def is_loader_worker_death(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and LOADER_WORKER_DIED[0] in text and any(
+        m in text for m in LOADER_WORKER_DIED[1:])
+
+
+def leave(why: str) -> None:
+    """End this rank as a lost rank (SIGKILL), after one line saying why: the survivors
+    recover as from any lost rank. Used when this rank cannot go on but the job can."""
+    import os
+    import signal
+    import sys
+
+    from hpcddp.comm import output as _log
+    _log.log(f"elastic: {why}: this rank leaves the job (SIGKILL), the others go on without it")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    time.sleep(0.2)              # the launcher forwards the line before the process goes
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Recovery:
     """What one recovery did (``State.recoveries`` keeps them, in order)."""
 
@@ -140,6 +169,7 @@ class State:
         if any(p == "forward" for _, _, p in self._kills):
             module.register_forward_pre_hook(lambda *a: self._maybe_die("forward"))
         _watchdog_survives_peers()
+        _explain_losses_outside_steps(self)
         self.model = self._wrap()
         if topology_groups:
             from hpcddp.backend import topology_groups as tg
@@ -186,7 +216,14 @@ class State:
             for chunk in chunks:
                 self._chunk = chunk
                 self._maybe_die("data")
-                batch = next(it)
+                try:
+                    batch = next(it)
+                except RuntimeError as exc:
+                    if is_loader_worker_death(exc):
+                        # its half-read batch is gone, and a new iterator would not start
+                        # where the others are: leaving keeps every rank in the same step
+                        leave(str(exc))
+                    raise
                 self._failed, self._stepped = None, False
                 yield batch
                 if self._failed is not None:
@@ -208,6 +245,8 @@ class State:
         try:
             yield self
         except BaseException as exc:
+            if is_loader_worker_death(exc):    # torch raises it from its SIGCHLD handler
+                leave(str(exc))
             if not isinstance(exc, Exception) or not is_process_failure(exc, self.world.mpi):
                 raise
             # the traceback would keep the loop's frames (and its loader iterator) alive
@@ -447,6 +486,9 @@ def _exit_without_finalize() -> None:
     threading.excepthook = thread_hook
 
     def finish():
+        from hpcddp.launch import process
+        if not process.in_rank_process():  # a forked child exiting: not the rank's exit
+            return
         try:
             from hpcddp import diagnostics
             diagnostics.stop_without_barrier()
@@ -459,6 +501,65 @@ def _exit_without_finalize() -> None:
                 pass
         os._exit(_exit_code[0])
     atexit.register(finish)
+
+
+def failed_world_ranks(comm) -> list[int]:
+    """World ranks (start-up numbering) of COMM's processes known to have failed."""
+    MPI = _mpi()
+    try:
+        failed = comm.Get_failed()
+    except MPI.Exception:
+        return []
+    try:
+        n = failed.Get_size()
+        if n == 0:
+            return []
+        world = MPI.COMM_WORLD.Get_group()
+        try:
+            return sorted(MPI.Group.Translate_ranks(failed, list(range(n)), world))
+        finally:
+            world.Free()
+    finally:
+        failed.Free()
+
+
+_states: list = []       # the State whose world an uncaught exception is explained against
+
+
+def _explain_losses_outside_steps(state) -> None:
+    """An uncaught process failure (a rank lost during evaluation, a checkpoint save, the
+    user's own collectives: anywhere outside ``state.step()``) ends the job, as any uncaught
+    exception does; first one line says which rank was lost and what to do."""
+    import sys
+    import weakref
+
+    from hpcddp.launch import process
+    _states[:] = [weakref.ref(state)]
+    if getattr(sys.excepthook, "_hpcddp_elastic", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        st = _states[0]() if _states else None
+        if st is not None and process.in_rank_process() and isinstance(exc, Exception):
+            try:
+                comm = st.world.mpi
+                if is_process_failure(exc, comm):
+                    from hpcddp.comm import output as _log
+                    lost = failed_world_ranks(comm)
+                    who = (f"rank{'s' if len(lost) != 1 else ''} "
+                           f"{', '.join(map(str, lost))}" if lost else "a rank")
+                    _log.log(f"elastic: {who} was lost outside state.step() (in "
+                             f"{type(exc).__name__}: {str(exc)[:120]}): hpcddp.elastic recovers "
+                             f"a lost rank only inside `with state.step():` (evaluation, "
+                             f"checkpoint saves and your own collectives are not retried); the "
+                             f"job ends. Resume it from its last checkpoint, or move that work "
+                             f"into the training step (docs/elastic.md, 'Outside the step')")
+            except Exception:
+                pass
+        previous(exc_type, exc, tb)
+    hook._hpcddp_elastic = True
+    sys.excepthook = hook
 
 
 def _unhook(ddp) -> None:

@@ -139,6 +139,13 @@ class _Sync:
         return "cpu"
 
 
+def _default_signals_in_child() -> None:
+    for sig in (_signal.SIGUSR1, _signal.SIGTERM):
+        handler = _signal.getsignal(sig)
+        if isinstance(getattr(handler, "__self__", None), Checkpointer):
+            _signal.signal(sig, _signal.SIG_DFL)
+
+
 class Checkpointer:
     """Save on preemption signals and resume from the latest checkpoint. Every rank makes one.
 
@@ -174,6 +181,11 @@ class Checkpointer:
         self._previous = {}
         for sig in signals:
             self._previous[sig] = _signal.signal(sig, self._on_signal)
+        if self._previous:
+            # a forked child (a DataLoader worker) dies of SIGTERM as Python's default says;
+            # with this handler it would wait for Slurm's SIGKILL, KillWait seconds later
+            from hpcddp.launch import process
+            process.on_fork_child(_default_signals_in_child)
 
     # --- signals -------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
