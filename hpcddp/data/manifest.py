@@ -38,6 +38,8 @@ MANIFEST = "manifest.json"
 READY = "READY"
 STAGING = "STAGING"
 PARTIAL_SUFFIX = ".partial"
+# what a data set directory holds besides its shards: never a shard's name
+RESERVED_NAMES = frozenset({MANIFEST, READY, STAGING})
 STORAGES = ("lmdb", "hdf5")
 SHARD_EXT = {"lmdb": ".lmdb", "hdf5": ".h5"}
 # bytes: raw values; array: one dtype and shape for every sample (raw C-order bytes);
@@ -185,8 +187,14 @@ def validate(doc, where: str = "manifest") -> None:
         if s["first"] != expect_first or s["count"] < 1 or s["bytes"] < 0:
             bad(f"shards[{i}] covers samples {s['first']}..{s['first'] + s['count'] - 1} with "
                 f"{s['bytes']} bytes; expected to start at {expect_first} with count >= 1")
-        if os.path.basename(s["name"]) != s["name"] or s["name"].startswith("."):
-            bad(f"shards[{i}].name {s['name']!r} must be a plain file name")
+        # Names become paths under the source and the destination (staging writes DEST/name
+        # and DEST/.name.partial): a name that leaves the directory or takes the place of the
+        # manifest or a marker is refused before anything is read or written.
+        name = s["name"]
+        if (not isinstance(name, str) or not name or os.path.basename(name) != name
+                or name.startswith(".") or "\0" in name or name in RESERVED_NAMES):
+            bad(f"shards[{i}].name {name!r} must be a plain file name (no '/', not starting "
+                f"with '.', not one of {sorted(RESERVED_NAMES)})")
         c = s.get("crc32c")
         if c is not None and not (isinstance(c, str) and re.fullmatch(r"[0-9a-f]{8}", c)):
             bad(f"shards[{i}].crc32c is {c!r}, expected 8 lowercase hex digits")
