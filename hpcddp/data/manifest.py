@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -223,14 +224,24 @@ def load(path: str, where: str | None = None) -> Manifest:
 
 
 def write_atomic(path: str, data: bytes, fsync: bool = False) -> None:
-    """Write ``data`` to ``path`` through a temporary name and a rename."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``data`` to ``path`` through a temporary name and a rename.
+
+    The temporary name is random and created with ``O_EXCL``: a name someone planted in a
+    directory they can write (a symlink to one of your files) is never written through
+    (docs/security.md). Its mode is what open() gives (0666 less the umask).
+    """
+    tmp = f"{path}.tmp{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
 
 
 def _scan(path: str, fns, block: int = HASH_BLOCK) -> None:

@@ -1,9 +1,11 @@
-"""Values a data set file provides are never unpickled (docs/security.md, no MPI).
+"""Data set directories someone else can write (docs/security.md, no MPI).
 
 Someone who can write a data set (a shared project directory) can change its samples; they must
 not be able to run code in the readers: an ``npy`` value holding a pickled object array is
 refused by ``np.load(allow_pickle=False)``, and a manifest that names an object dtype for
-``array`` values makes numpy refuse the raw copy, before any byte is read into it.
+``array`` values makes numpy refuse the raw copy, before any byte is read into it. Nor may a
+symlink they plant at a name hpcddp writes (a temporary name, the stage lock) lead that write
+into one of the user's files.
 """
 import io
 import json
@@ -12,6 +14,7 @@ import os
 import numpy as np
 import pytest
 
+from hpcddp.data import destlock
 from hpcddp.data import manifest as mf
 from hpcddp.data import open_dataset, pack
 from hpcddp.data.packing import lmdb_key
@@ -72,3 +75,39 @@ def test_object_dtype_in_a_manifest_is_refused(tmp_path, fmt):
     ds = open_dataset(str(d))
     with pytest.raises(TypeError, match="data-type|references"):
         ds[0]
+
+
+def test_write_atomic_never_writes_through_a_planted_name(tmp_path, monkeypatch):
+    """READY, STAGING and manifest.json go through write_atomic: its temporary name is random
+    and created with O_EXCL, so a symlink planted there fails the write, the file it points to
+    untouched."""
+    victim = tmp_path / "victim"
+    victim.write_text("mine")
+    monkeypatch.setattr(mf.secrets, "token_hex", lambda n: "guessed")
+    target = tmp_path / "d" / mf.READY
+    target.parent.mkdir()
+    os.symlink(victim, f"{target}.tmp{os.getpid()}.guessed")
+    with pytest.raises(FileExistsError):
+        mf.write_atomic(str(target), b"{}")
+    assert victim.read_text() == "mine" and not target.exists()
+    monkeypatch.undo()
+    mf.write_atomic(str(target), b"{}")             # a fresh random name: written, renamed
+    assert target.read_bytes() == b"{}" and victim.read_text() == "mine"
+    assert sorted(os.listdir(target.parent)) == [mf.READY, f"{mf.READY}.tmp{os.getpid()}.guessed"]
+
+
+@pytest.mark.parametrize("mode", ["flock", "excl"])
+def test_a_symlink_at_the_lock_name_is_not_written_through(tmp_path, mode):
+    victim = tmp_path / "victim"
+    victim.write_text("mine")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    os.symlink(victim, dest / destlock.LOCK_NAME)
+    lock = destlock.DestLock(str(dest), mode)
+    try:
+        got = lock.try_acquire()
+    except OSError as exc:                           # flock: O_NOFOLLOW refuses the link
+        assert mode == "flock" and "symbolic links" in str(exc)
+    else:                                            # excl: O_EXCL finds the name taken
+        assert mode == "excl" and got is not None and not lock.held
+    assert victim.read_text() == "mine"
