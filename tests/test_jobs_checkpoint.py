@@ -300,6 +300,17 @@ def test_planted_checkpoint_is_refused_and_its_code_never_runs(tmp_path):
     assert c.load_latest().step == 5 and not marker.exists()
 
 
+def test_planted_weights_load_the_limit_of_weights_only(tmp_path):
+    """What weights_only does not stop (docs/security.md): someone who can write the directory
+    can plant plain tensors at a later step, and the job resumes from them. It checks what a
+    file can do when loaded, not who wrote it."""
+    c = Checkpointer(str(tmp_path), signals=())
+    c.save({"w": torch.ones(3)}, 5)
+    torch.save({"w": torch.full((3,), 666.0)}, c.path_for(6))   # not written by this job
+    found = c.load_latest()
+    assert found.step == 6 and torch.equal(found.state["w"], torch.full((3,), 666.0))
+
+
 def test_the_planted_file_is_live_under_trust_pickle(tmp_path, capfd):
     """The same file with trust_pickle=True runs its code: the option does what its name says
     (and shows that the refusal above is not a plant that could not have run anyway)."""

@@ -66,6 +66,21 @@ def test_npy_value_holding_a_pickle_is_refused(tmp_path):
     assert marker.exists()                                   # allowed, its code runs
 
 
+def test_a_rewritten_sample_with_matching_sums_is_read(tmp_path):
+    """What the checksums do not stop (docs/security.md): they catch accidents, not a writer of
+    the data set, who can change a sample and record the new sums in the manifest next to it."""
+    import lmdb
+    d = tmp_path / "ds"
+    pack([(f"s{i}", bytes([i]) * 10) for i in range(3)], d, format="lmdb", progress=False)
+    m = mf.load(str(d))
+    env = lmdb.open(os.path.join(d, m.shards[0].name), subdir=False, lock=False)
+    with env.begin(write=True) as txn:
+        txn.put(lmdb_key(1), b"poisoned")
+    env.close()
+    _rewrite_manifest(str(d), lambda doc: None)
+    assert open_dataset(str(d), verify=True)[1] == b"poisoned"
+
+
 @pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
 def test_object_dtype_in_a_manifest_is_refused(tmp_path, fmt):
     d = tmp_path / "ds"
