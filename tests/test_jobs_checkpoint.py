@@ -67,6 +67,16 @@ def test_keep_prunes_old_checkpoints(tmp_path):
     assert len(list_checkpoints(str(tmp_path / "all"))) == 3
 
 
+def test_a_save_never_prunes_itself(tmp_path):
+    """A file at a higher step (an earlier run's, or a planted one) stays "newest"; with keep=1
+    the file just saved is kept anyway, and the older ones go."""
+    c = Checkpointer(str(tmp_path), keep=1, signals=())
+    torch.save({"s": 99}, c.path_for(99))
+    c.save({"s": 1}, 1)
+    c.save({"s": 2}, 2)
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [2, 99]
+
+
 def test_prefixes_do_not_mix(tmp_path):
     a = Checkpointer(str(tmp_path), prefix="model", signals=())
     b = Checkpointer(str(tmp_path), prefix="ema", signals=())

@@ -22,7 +22,7 @@ collective, because srun delivers a signal to each task at a slightly different 
 that decide on their own would take different branches and hang.
 
 Rank 0 alone writes (DDP keeps the replicas identical), to a temporary name in the same
-directory, flushed and fsync'ed, then ``os.replace``'d into place: a job killed mid-write leaves
+directory (random, created with O_EXCL: never a symlink someone planted there), flushed and fsync'ed, then ``os.replace``'d into place: a job killed mid-write leaves
 the previous checkpoint intact and never a half-written "latest". ``load_latest`` lets rank 0
 choose the file and broadcasts its name, so ranks never disagree on which step they resume from
 even while a save races with the listing. The directory must be visible to every rank (shared
@@ -255,7 +255,7 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 self._write(state, path)
-                self._prune()
+                self._prune(path)
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = f"{type(exc).__name__}: {exc}"
         # Every rank learns whether rank 0's write worked, instead of resuming later from a
@@ -294,10 +294,15 @@ class Checkpointer:
         except OSError:
             pass
 
-    def _prune(self) -> None:
+    def _prune(self, saved: str) -> None:
+        """Delete all but the KEEP newest checkpoints, never SAVED (the file just written): a
+        file with a higher step left by an earlier run, or put there by someone else, must not
+        make a save delete itself."""
         if not self.keep:
             return
         for _, old in list_checkpoints(self.directory, self.prefix)[:-self.keep]:
+            if old == saved:
+                continue
             try:
                 os.unlink(old)
             except FileNotFoundError:
@@ -360,14 +365,15 @@ class Checkpointer:
             else:
                 with torch.serialization.safe_globals(allowed):
                     state = torch.load(path, map_location=map_location, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            error = self._refused(path, exc) if not trust_pickle else exc
         except FileNotFoundError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - every rank raises below, this one with its own
-            error = RuntimeError(f"Checkpointer.load_latest: rank {self.rank} could not load "
-                                 f"{path}: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
+            if isinstance(exc, pickle.UnpicklingError) and not trust_pickle:
+                error = self._refused(path, exc)
+            else:
+                error = RuntimeError(f"Checkpointer.load_latest: rank {self.rank} could not load "
+                                     f"{path}: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
         # One rank that cannot load must not leave the others training alone (they would wait
         # in their first collective): all learn it here and raise together.
         if self._sync.any(error is not None):
