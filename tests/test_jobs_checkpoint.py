@@ -1,9 +1,12 @@
-"""hpcddp.parallel.checkpoint: atomic saves, latest-on-restart, signals agreed across ranks.
+"""hpcddp.parallel.checkpoint: atomic saves, latest-on-restart, signals agreed across ranks,
+loading that runs no code planted in the checkpoint directory.
 
 In-process tests cover one rank (no communicator, and torch.distributed with one process);
-an mpirun job covers the real thing: a signal that reaches one rank only makes every rank save
-at the same step, and every rank resumes from the same file.
+mpirun jobs cover the real thing: a signal that reaches one rank only makes every rank save
+at the same step, every rank resumes from the same file, and a planted file is refused on
+every rank.
 """
+import dataclasses
 import os
 import signal
 import sys
@@ -13,7 +16,9 @@ import pytest
 import torch
 
 from hpcddp.launch.mpirun import run_mpi
-from hpcddp.parallel.checkpoint import Checkpointer, find_latest, list_checkpoints
+from hpcddp.parallel import checkpoint as ckpt_mod
+from hpcddp.parallel.checkpoint import (Checkpointer, UnsafeCheckpointError, find_latest,
+                                        list_checkpoints)
 
 
 @pytest.fixture
@@ -60,6 +65,16 @@ def test_keep_prunes_old_checkpoints(tmp_path):
     for step in range(3):
         c0.save({"s": step}, step)
     assert len(list_checkpoints(str(tmp_path / "all"))) == 3
+
+
+def test_a_save_never_prunes_itself(tmp_path):
+    """A file at a higher step (an earlier run's, or a planted one) stays "newest"; with keep=1
+    the file just saved is kept anyway, and the older ones go."""
+    c = Checkpointer(str(tmp_path), keep=1, signals=())
+    torch.save({"s": 99}, c.path_for(99))
+    c.save({"s": 1}, 1)
+    c.save({"s": 2}, 2)
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [2, 99]
 
 
 def test_prefixes_do_not_mix(tmp_path):
@@ -187,3 +202,229 @@ def test_signal_on_one_rank_saves_on_all(tmp_path, kind):
     assert res.returncode == 0, out
     assert f"[rank0] ok {kind} saved at 5" in out and f"[rank1] ok {kind} saved at 5" in out
     assert [s for s, _ in list_checkpoints(str(tmp_path / "ck"))] == [5]
+
+
+# --- loading: weights_only, and what a planted file can and cannot do -----------------------
+
+class Planted:
+    """What someone who can write the checkpoint directory leaves there: unpickling it runs
+    code (here it only writes MARKER, so a test sees whether it ran)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('planted code ran')",))
+
+
+def plant(directory, step, marker, prefix="ckpt"):
+    """Write a file named as checkpoint STEP holding a Planted object; returns its path."""
+    path = os.path.join(str(directory), f"{prefix}-{step:09d}.pt")
+    torch.save({"model": {}, "x": Planted(marker)}, path)
+    return path
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """A user's own type in a checkpoint (module level: pickle names it by module and name)."""
+    lr: float
+    tag: str
+
+
+def _train_a_little():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    for _ in range(3):
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, sched
+
+
+def test_real_checkpoint_loads_with_weights_only(tmp_path, monkeypatch):
+    """Model, Adam state, scheduler, RNG state, plain values: all load with weights_only=True,
+    and into fresh objects they give back the same state."""
+    model, opt, sched = _train_a_little()
+    c = Checkpointer(str(tmp_path), signals=())
+    c.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+            "rng": torch.get_rng_state(), "epoch": 3, "config": {"lr": 0.01, "tags": ["a"]},
+            "shape": (4, 8), "ids": {1, 2}, "blob": b"x"}, 3)
+    seen = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: seen.append(kw) or real_load(*a, **kw))
+    found = c.load_latest()
+    assert [kw["weights_only"] for kw in seen] == [True]
+    m2, o2, s2 = _train_a_little()   # the same shapes; then overwritten from the checkpoint
+    m2.load_state_dict(found.state["model"])
+    o2.load_state_dict(found.state["opt"])
+    s2.load_state_dict(found.state["sched"])
+    for a, b in zip(model.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    for k, v in opt.state_dict()["state"][0].items():
+        assert torch.equal(torch.as_tensor(v), torch.as_tensor(o2.state_dict()["state"][0][k]))
+    assert s2.state_dict() == sched.state_dict()
+    assert found.state["epoch"] == 3 and found.state["shape"] == (4, 8)
+
+
+def test_demo_checkpoint_loads_with_weights_only(tmp_path):
+    """What hpcddp's own demo saves (hpcddp/demo/train.py): its model, SGD with momentum, the
+    cosine schedule, its config as a dict, ints."""
+    from hpcddp.demo.config import DemoConfig
+    from hpcddp.demo.model import build_model
+    model = build_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12)
+    model(torch.rand(2, 1, 8, 8)).sum().backward()
+    opt.step()
+    sched.step()
+    c = Checkpointer(str(tmp_path), prefix="demo", signals=())
+    c.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(), "epoch": 1, "config": DemoConfig().as_dict(),
+            "world_size": 2}, 1)
+    state = c.load_latest().state
+    build_model(0).load_state_dict(state["model"])
+    assert state["config"] == DemoConfig().as_dict() and state["world_size"] == 2
+
+
+def test_planted_checkpoint_is_refused_and_its_code_never_runs(tmp_path):
+    marker = tmp_path / "marker"
+    c = Checkpointer(str(tmp_path / "ck"), signals=())
+    model, opt, _ = _train_a_little()
+    c.save({"model": model.state_dict(), "opt": opt.state_dict()}, 5)
+    path = plant(c.directory, 99, marker)
+    assert c.latest() == (99, path)
+    with pytest.raises(UnsafeCheckpointError) as ei:
+        c.load_latest()
+    msg = str(ei.value)
+    assert not marker.exists(), "the planted file's code ran"
+    assert ei.value.path == path and ei.value.global_name == "exec"
+    assert f"refused {path}" in msg and "global exec" in msg
+    assert "trust_pickle=True" in msg and "safe_globals=" in msg
+    # no quiet fall-back: the older checkpoint is named, not loaded
+    assert "Nothing older was loaded instead (older here: ckpt-000000005.pt)" in msg
+    assert c.latest() == (99, path) and os.path.exists(path)
+    os.remove(path)             # what the user does after looking at it
+    assert c.load_latest().step == 5 and not marker.exists()
+
+
+def test_planted_weights_load_the_limit_of_weights_only(tmp_path):
+    """What weights_only does not stop (docs/security.md): someone who can write the directory
+    can plant plain tensors at a later step, and the job resumes from them. It checks what a
+    file can do when loaded, not who wrote it."""
+    c = Checkpointer(str(tmp_path), signals=())
+    c.save({"w": torch.ones(3)}, 5)
+    torch.save({"w": torch.full((3,), 666.0)}, c.path_for(6))   # not written by this job
+    found = c.load_latest()
+    assert found.step == 6 and torch.equal(found.state["w"], torch.full((3,), 666.0))
+
+
+def test_the_planted_file_is_live_under_trust_pickle(tmp_path, capfd):
+    """The same file with trust_pickle=True runs its code: the option does what its name says
+    (and shows that the refusal above is not a plant that could not have run anyway)."""
+    marker = tmp_path / "marker"
+    c = Checkpointer(str(tmp_path / "ck"), signals=())
+    os.makedirs(c.directory)
+    plant(c.directory, 7, marker)
+    found = c.load_latest(trust_pickle=True)
+    assert found.step == 7 and marker.read_text() == "planted code ran"
+    err = capfd.readouterr().err
+    assert "trust_pickle=True (weights_only=False): code in the file runs" in err
+
+
+@pytest.mark.parametrize("raw,err,match", [
+    (b"not a checkpoint at all", UnsafeCheckpointError, r"cannot read it \(Unsupported operand"),
+    (b"\x80\x02cos\nsystem\nq\x00.", UnsafeCheckpointError, "calls os.system, from a module torch never"),
+    (b"", RuntimeError, "rank 0 could not load .*EOFError"),
+])
+def test_other_files_are_refused_naming_them(tmp_path, raw, err, match):
+    """A damaged file, a bare pickle of os.system, an empty file: each error names the file."""
+    c = Checkpointer(str(tmp_path), signals=())
+    path = c.path_for(3)
+    with open(path, "wb") as f:
+        f.write(raw)
+    with pytest.raises(err, match=match) as ei:
+        c.load_latest()
+    assert path in str(ei.value)
+
+
+def test_own_types_through_safe_globals(tmp_path):
+    c = Checkpointer(str(tmp_path), signals=())
+    c.save({"w": torch.ones(2), "cfg": RunConfig(0.1, "a")}, 1)
+    with pytest.raises(UnsafeCheckpointError, match=r"needs the global .*RunConfig.*"
+                                                    r"safe_globals=\[RunConfig\]"):
+        c.load_latest()
+    assert c.load_latest(safe_globals=[RunConfig]).state["cfg"] == RunConfig(0.1, "a")
+    with torch.serialization.safe_globals([RunConfig]):   # torch's own list is honoured too
+        assert c.load_latest().state["cfg"].tag == "a"
+    with pytest.raises(UnsafeCheckpointError):          # and only for that load
+        c.load_latest()
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(trust_pickle="yes"), TypeError, "trust_pickle must be True or False"),
+    (dict(safe_globals="RunConfig"), TypeError, "safe_globals must be a list"),
+    (dict(safe_globals=[1]), TypeError, "safe_globals holds 1"),
+    (dict(safe_globals=[RunConfig], trust_pickle=True), ValueError, "not both"),
+])
+def test_bad_load_arguments(tmp_path, kwargs, err, match):
+    c = Checkpointer(str(tmp_path), signals=())
+    with pytest.raises(err, match=match):
+        c.load_latest(**kwargs)
+
+
+def test_save_never_writes_through_a_planted_name(tmp_path, monkeypatch):
+    """The temporary name is created with O_EXCL: a symlink planted there (pointing at one of
+    your files) fails the save and the file it points to is untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    c = Checkpointer(str(tmp_path / "ck"), signals=())
+    os.makedirs(c.directory)
+    monkeypatch.setattr(ckpt_mod.secrets, "token_hex", lambda n: "guessed")
+    tmp = os.path.join(c.directory, f".ckpt-000000001.pt.tmp.{os.getpid()}.guessed")
+    os.symlink(victim, tmp)
+    with pytest.raises(RuntimeError, match="rank 0 could not write .*File exists"):
+        c.save({"w": torch.ones(3)}, 1)
+    assert victim.read_text() == "mine" and list_checkpoints(c.directory) == []
+
+
+MPI_PLANTED = textwrap.dedent("""\
+    import os, sys
+    import torch
+    from mpi4py import MPI
+    from hpcddp.parallel.checkpoint import Checkpointer, UnsafeCheckpointError
+
+    directory, marker = sys.argv[1], sys.argv[2]
+    rank = MPI.COMM_WORLD.Get_rank()
+    ck = Checkpointer(directory, comm=MPI.COMM_WORLD, signals=())
+    ck.save({"w": torch.ones(2)}, 5)
+    if rank == 0:
+        class Planted:
+            def __reduce__(self):
+                return (exec, (f"open({marker!r}, 'w').write('ran')",))
+        torch.save({"x": Planted()}, ck.path_for(99))
+    MPI.COMM_WORLD.Barrier()
+    try:
+        ck.load_latest()
+        print(f"[rank{rank}] loaded", flush=True)
+    except UnsafeCheckpointError as exc:
+        print(f"[rank{rank}] refused {exc.path}", flush=True)
+    MPI.COMM_WORLD.Barrier()
+    print(f"[rank{rank}] marker {os.path.exists(marker)}", flush=True)
+""")
+
+
+def test_planted_checkpoint_refused_on_every_rank(tmp_path):
+    path = tmp_path / "planted.py"
+    path.write_text(MPI_PLANTED)
+    marker = tmp_path / "marker"
+    res = run_mpi(2, [sys.executable, str(path), str(tmp_path / "ck"), str(marker)],
+                  timeout=180, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    planted = str(tmp_path / "ck" / "ckpt-000000099.pt")
+    for r in (0, 1):
+        assert f"[rank{r}] refused {planted}" in out and f"[rank{r}] marker False" in out, out
+    assert not marker.exists()

@@ -40,6 +40,7 @@ import socket
 from hpcddp import settings
 
 LOCK_NAME = ".hpcddp-stage.lock"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 MODES = ("flock", "excl")
 MODE_ENV = "HPCDDP_STAGE_LOCK"
 # flock unsupported by this file system (as opposed to: held by someone else)
@@ -159,7 +160,9 @@ class DestLock:
         while True:
             created = False
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+                # O_NOFOLLOW: the lock file is written (our record); a symlink planted at its
+                # name by someone who can write DEST must not lead that write to another file
+                fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | _NOFOLLOW)
             except FileNotFoundError:
                 try:
                     fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,

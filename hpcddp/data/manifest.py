@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -38,6 +39,8 @@ MANIFEST = "manifest.json"
 READY = "READY"
 STAGING = "STAGING"
 PARTIAL_SUFFIX = ".partial"
+# what a data set directory holds besides its shards: never a shard's name
+RESERVED_NAMES = frozenset({MANIFEST, READY, STAGING})
 STORAGES = ("lmdb", "hdf5")
 SHARD_EXT = {"lmdb": ".lmdb", "hdf5": ".h5"}
 # bytes: raw values; array: one dtype and shape for every sample (raw C-order bytes);
@@ -185,8 +188,14 @@ def validate(doc, where: str = "manifest") -> None:
         if s["first"] != expect_first or s["count"] < 1 or s["bytes"] < 0:
             bad(f"shards[{i}] covers samples {s['first']}..{s['first'] + s['count'] - 1} with "
                 f"{s['bytes']} bytes; expected to start at {expect_first} with count >= 1")
-        if os.path.basename(s["name"]) != s["name"] or s["name"].startswith("."):
-            bad(f"shards[{i}].name {s['name']!r} must be a plain file name")
+        # Names become paths under the source and the destination (staging writes DEST/name
+        # and DEST/.name.partial): a name that leaves the directory or takes the place of the
+        # manifest or a marker is refused before anything is read or written.
+        name = s["name"]
+        if (not isinstance(name, str) or not name or os.path.basename(name) != name
+                or name.startswith(".") or "\0" in name or name in RESERVED_NAMES):
+            bad(f"shards[{i}].name {name!r} must be a plain file name (no '/', not starting "
+                f"with '.', not one of {sorted(RESERVED_NAMES)})")
         c = s.get("crc32c")
         if c is not None and not (isinstance(c, str) and re.fullmatch(r"[0-9a-f]{8}", c)):
             bad(f"shards[{i}].crc32c is {c!r}, expected 8 lowercase hex digits")
@@ -215,14 +224,24 @@ def load(path: str, where: str | None = None) -> Manifest:
 
 
 def write_atomic(path: str, data: bytes, fsync: bool = False) -> None:
-    """Write ``data`` to ``path`` through a temporary name and a rename."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``data`` to ``path`` through a temporary name and a rename.
+
+    The temporary name is random and created with ``O_EXCL``: a name someone planted in a
+    directory they can write (a symlink to one of your files) is never written through
+    (docs/security.md). Its mode is what open() gives (0666 less the umask).
+    """
+    tmp = f"{path}.tmp{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
 
 
 def _scan(path: str, fns, block: int = HASH_BLOCK) -> None:

@@ -22,7 +22,7 @@ collective, because srun delivers a signal to each task at a slightly different 
 that decide on their own would take different branches and hang.
 
 Rank 0 alone writes (DDP keeps the replicas identical), to a temporary name in the same
-directory, flushed and fsync'ed, then ``os.replace``'d into place: a job killed mid-write leaves
+directory (random, created with O_EXCL: never a symlink someone planted there), flushed and fsync'ed, then ``os.replace``'d into place: a job killed mid-write leaves
 the previous checkpoint intact and never a half-written "latest". ``load_latest`` lets rank 0
 choose the file and broadcasts its name, so ranks never disagree on which step they resume from
 even while a save races with the listing. The directory must be visible to every rank (shared
@@ -30,19 +30,44 @@ filesystem), not node-local scratch, which a requeue wipes.
 
 Which ranks talk: ``comm`` may be an mpi4py communicator or an hpcddp Communicator; without one,
 torch.distributed's default group is used when it is initialised, else the process is alone.
+
+Loading is ``torch.load(weights_only=True)``: tensors, plain Python values and the types torch
+allows (what ``model``, optimizer and scheduler ``state_dict()`` hold). A checkpoint directory
+usually sits on a file system a whole group can write, and a pickle can run any code when it
+is loaded, so a file that needs any other global is refused, on every rank, naming the file and
+the global, and nothing older is loaded in its place (docs/security.md says why). The user's own
+types are let through with ``load_latest(safe_globals=[MyType])`` (or torch's
+``torch.serialization.add_safe_globals``); ``load_latest(trust_pickle=True)`` loads any pickle,
+for directories only you (and people you trust with your account) can write.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import re
+import secrets
 import signal as _signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-__all__ = ["Checkpoint", "Checkpointer", "find_latest", "list_checkpoints"]
+__all__ = ["Checkpoint", "Checkpointer", "UnsafeCheckpointError", "find_latest",
+           "list_checkpoints"]
 
 _NAME = re.compile(r"^(?P<prefix>.+)-(?P<step>\d{9})\.pt$")
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint that ``torch.load(weights_only=True)`` refused: it needs a global (a class or
+    a function) that is neither torch's nor in ``safe_globals``. Nothing in it ran.
+
+    ``path``: the file; ``global_name``: what it asked for (None where torch did not say).
+    """
+
+    def __init__(self, message: str, path: str, global_name: Optional[str]):
+        super().__init__(message)
+        self.path = path
+        self.global_name = global_name
 
 
 @dataclass(frozen=True)
@@ -242,7 +267,7 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 self._write(state, path)
-                self._prune()
+                self._prune(path)
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = f"{type(exc).__name__}: {exc}"
         # Every rank learns whether rank 0's write worked, instead of resuming later from a
@@ -257,15 +282,20 @@ class Checkpointer:
     def _write(self, state: Any, path: str) -> None:
         import torch
         os.makedirs(self.directory, exist_ok=True)
-        tmp = os.path.join(self.directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+        tmp = os.path.join(self.directory, f".{os.path.basename(path)}.tmp.{os.getpid()}."
+                                           f"{secrets.token_hex(4)}")
+        # O_EXCL (and a random name): a name planted in a shared directory, such as a symlink
+        # to one of your files, fails the save instead of being written through. The mode is
+        # what open() would give (0666 less the umask).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(fd, "wb") as f:
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)  # atomic on POSIX: readers see the old set or the new file
         finally:
-            if os.path.exists(tmp):
+            if os.path.lexists(tmp):
                 os.unlink(tmp)
         try:  # make the rename itself durable
             fd = os.open(self.directory, os.O_RDONLY)
@@ -276,10 +306,15 @@ class Checkpointer:
         except OSError:
             pass
 
-    def _prune(self) -> None:
+    def _prune(self, saved: str) -> None:
+        """Delete all but the KEEP newest checkpoints, never SAVED (the file just written): a
+        file with a higher step left by an earlier run, or put there by someone else, must not
+        make a save delete itself."""
         if not self.keep:
             return
         for _, old in list_checkpoints(self.directory, self.prefix)[:-self.keep]:
+            if old == saved:
+                continue
             try:
                 os.unlink(old)
             except FileNotFoundError:
@@ -289,26 +324,129 @@ class Checkpointer:
         """``(step, path)`` of the newest checkpoint as this rank sees it. Local, no messages."""
         return find_latest(self.directory, self.prefix)
 
-    def load_latest(self, map_location: Any = "cpu") -> Optional[Checkpoint]:
+    def load_latest(self, map_location: Any = "cpu", *, safe_globals: Iterable = (),
+                    trust_pickle: bool = False) -> Optional[Checkpoint]:
         """Load the newest checkpoint, or return None when there is none. Collective.
 
         Rank 0 picks the file and broadcasts its name; every rank then loads that same file
-        (``torch.load(..., weights_only=False)``: checkpoints hold optimizer state and plain
-        Python values; load only files your own jobs wrote).
+        with ``torch.load(path, map_location=MAP_LOCATION, weights_only=True)``: tensors,
+        plain Python values (dict, list, tuple, set, str, bytes, int, float, bool, None) and
+        the types torch allows, which is everything a model's, an optimizer's and an LR
+        scheduler's ``state_dict()`` holds. Then one small collective: if any rank could not
+        load the file, every rank raises (none goes on to train alone).
+
+        safe_globals: your own classes or functions the file holds (a dataclass, an enum),
+            added to torch's list for this load only (``torch.serialization.safe_globals``);
+            ``torch.serialization.add_safe_globals([...])`` adds them for the whole process.
+            Simpler where you can: save plain values (``dataclasses.asdict(cfg)``, a numpy
+            array as ``torch.from_numpy(a)``).
+        trust_pickle: load with ``weights_only=False``: any pickle, including one that runs
+            code when loaded. Only for a directory that nobody but you can write (rank 0
+            prints a line saying it is on). ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` overrides it.
+
+        A file that needs a global outside those lists raises :class:`UnsafeCheckpointError`
+        on every rank, naming the file, the global and the options. No older checkpoint is
+        loaded instead: a job that resumed quietly from an older step would lose the work
+        after it, and a file someone else wrote into the directory needs a look before any
+        resume (docs/security.md, "Checkpoints").
         """
         import torch
+        if not isinstance(trust_pickle, bool):
+            raise TypeError(f"Checkpointer.load_latest: trust_pickle must be True or False, got "
+                            f"{trust_pickle!r}")
+        allowed = _check_safe_globals(safe_globals)
+        if trust_pickle and allowed:
+            raise ValueError("Checkpointer.load_latest: pass safe_globals or trust_pickle=True, "
+                             "not both (trust_pickle loads every global; safe_globals is for "
+                             "loading with weights_only=True)")
         chosen = self._sync.bcast(self.latest() if self.rank == 0 else None)
         if chosen is None:
             return None
         step, path = chosen
-        if not os.path.exists(path):
-            raise FileNotFoundError(
-                f"Checkpointer.load_latest: rank 0 chose {path} but rank {self.rank} cannot see "
-                f"it; the checkpoint directory must be on a filesystem every node shares")
-        state = torch.load(path, map_location=map_location, weights_only=False)
+        state, error = None, None
+        try:
+            if not os.path.exists(path):
+                raise FileNotFoundError(
+                    f"Checkpointer.load_latest: rank 0 chose {path} but rank {self.rank} cannot "
+                    f"see it; the checkpoint directory must be on a filesystem every node shares")
+            if trust_pickle:
+                if self.rank == 0:
+                    _say(f"loading checkpoint {path} with trust_pickle=True (weights_only=False): "
+                         f"code in the file runs; only for a directory nobody else can write")
+                state = torch.load(path, map_location=map_location, weights_only=False)
+            else:
+                with torch.serialization.safe_globals(allowed):
+                    state = torch.load(path, map_location=map_location, weights_only=True)
+        except FileNotFoundError as exc:
+            error = exc
+        except Exception as exc:  # noqa: BLE001 - every rank raises below, this one with its own
+            if isinstance(exc, pickle.UnpicklingError) and not trust_pickle:
+                error = self._refused(path, exc)
+            else:
+                error = RuntimeError(f"Checkpointer.load_latest: rank {self.rank} could not load "
+                                     f"{path}: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+        # One rank that cannot load must not leave the others training alone (they would wait
+        # in their first collective): all learn it here and raise together.
+        if self._sync.any(error is not None):
+            if error is not None:
+                raise error
+            raise RuntimeError(f"Checkpointer.load_latest: another rank could not load {path} "
+                               f"(its error is in its output); not resuming on any rank")
         if self.rank == 0:
             _say(f"resuming from checkpoint step {step} ({path})")
         return Checkpoint(step=step, path=path, state=state)
+
+    def _refused(self, path: str, exc: Exception) -> UnsafeCheckpointError:
+        """The error for a file weights_only loading refused: the file, the global, the fixes."""
+        text = str(exc)
+        m = re.search(r"GLOBAL (\S+) (?:was not an allowed global|whose module)", text)
+        name = m.group(1) if m else None
+        older = [os.path.basename(p) for _, p in list_checkpoints(self.directory, self.prefix)
+                 if p != path]
+        tail = (f"Nothing older was loaded instead"
+                f"{' (older here: ' + ', '.join(older[-3:]) + ')' if older else ''}; "
+                f"docs/security.md, \"Checkpoints\"")
+        if name is None:
+            # torch's reason sits between its advice and its closing pointer to the docs
+            why = re.search(r"WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)",
+                            text, re.S)
+            reason = " ".join((why.group(1) if why else text).split()) or "no reason given"
+            return UnsafeCheckpointError(
+                f"Checkpointer.load_latest: refused {path}: torch.load(weights_only=True) "
+                f"cannot read it ({reason}): a damaged file, one not written by torch.save, or "
+                f"pickle instructions weights_only loading does not run. {tail}.", path, None)
+        if "whose module" in m.group(0):   # torch blocks the module (os, subprocess, ...)
+            return UnsafeCheckpointError(
+                f"Checkpointer.load_latest: refused {path}: it calls {name}, from a module torch "
+                f"never lets weights_only loading touch: no checkpoint written by torch.save of "
+                f"a state_dict does that. Someone else can write into {self.directory}: look at "
+                f"the file (do not load it) and remove it. {tail}.", path, name)
+        short = name.rsplit(".", 1)[-1]
+        return UnsafeCheckpointError(
+            f"Checkpointer.load_latest: refused {path}: it needs the global {name}, which "
+            f"torch.load(weights_only=True) does not load without your say-so (a pickle can run "
+            f"any code). If your own job wrote it and {name} is yours, pass "
+            f"load_latest(safe_globals=[{short}]) (or torch.serialization.add_safe_globals); if "
+            f"nobody but you can write {self.directory}, load_latest(trust_pickle=True) loads any "
+            f"pickle. If you did not write it, someone else can write into your checkpoint "
+            f"directory: look at the file (do not load it) and remove it. {tail}.", path, name)
+
+
+def _check_safe_globals(safe_globals) -> list:
+    """SAFE_GLOBALS as torch.serialization.safe_globals takes it, or TypeError naming the item."""
+    if isinstance(safe_globals, (str, bytes)) or not hasattr(safe_globals, "__iter__"):
+        raise TypeError(f"Checkpointer.load_latest: safe_globals must be a list of classes or "
+                        f"functions (or (obj, 'module.name') pairs), got {safe_globals!r}")
+    out = list(safe_globals)
+    for item in out:
+        ok = callable(item) or (isinstance(item, tuple) and len(item) == 2
+                                and callable(item[0]) and isinstance(item[1], str))
+        if not ok:
+            raise TypeError(f"Checkpointer.load_latest: safe_globals holds {item!r}; expected a "
+                            f"class or function (or a (obj, 'module.name') pair), e.g. "
+                            f"safe_globals=[MyConfig]")
+    return out
 
 
 def _say(msg: str) -> None:

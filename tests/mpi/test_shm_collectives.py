@@ -222,3 +222,52 @@ def test_no_room_leaves_no_file(world, monkeypatch):
     assert glob.glob(os.path.join(_shm.SHM_DIR, f"hpcddp-{os.getpid()}-*")) == []
     t, want = reduced_and_expected(comm, torch.float64, seed=7)
     assert torch.allclose(t, want, rtol=1e-12, atol=1e-12)  # MPI's order of the sum may differ
+
+
+def test_arena_file_is_private_to_its_creator(world, monkeypatch):
+    """The /dev/shm file is a regular file, mode 0600, owned by the user who runs the job: no
+    other user can open it while it has a name (docs/security.md)."""
+    import os
+    import stat
+    seen = []
+    real_unlink = os.unlink
+
+    def look_then_unlink(path, *a, **kw):
+        if str(path).startswith(os.path.join(_shm.SHM_DIR, "hpcddp-")):
+            seen.append(os.lstat(path))
+        return real_unlink(path, *a, **kw)
+    monkeypatch.setattr(_shm.os, "unlink", look_then_unlink)
+    comm = hpcddp.Communicator(world.mpi.Dup(), "shm-private")
+    assert _shm.arena(comm) is not None
+    monkeypatch.undo()
+    if comm.rank == 0:
+        assert len(seen) == 1, seen
+        st = seen[0]
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
+        assert st.st_uid == os.getuid()
+    else:
+        assert seen == []   # only the creator unlinks
+
+
+def test_a_name_planted_in_shm_is_never_opened(world, monkeypatch, tmp_path_factory):
+    """O_CREAT | O_EXCL: a symlink (or file) someone left at the arena's name makes rank 0 give
+    the arena up, so nothing is written through it; every rank uses MPI and gets the right sum."""
+    import os
+    monkeypatch.setattr(_shm.secrets, "token_hex", lambda n: "planted0")
+    planted = os.path.join(_shm.SHM_DIR, f"hpcddp-{os.getpid()}-planted0")
+    target = None
+    if world.rank == 0:
+        target = tmp_path_factory.mktemp("shm-plant") / "victim"
+        target.write_bytes(b"")
+        os.symlink(target, planted)
+    try:
+        comm = hpcddp.Communicator(world.mpi.Dup(), "shm-planted")
+        assert _shm.arena(comm) is None
+        monkeypatch.undo()
+        if comm.rank == 0:
+            assert target.read_bytes() == b"" and os.path.islink(planted)
+        t, want = reduced_and_expected(comm, torch.int32, seed=8)
+        assert torch.equal(t, want)
+    finally:
+        if world.rank == 0:
+            os.unlink(planted)

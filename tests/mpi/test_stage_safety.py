@@ -222,3 +222,41 @@ def test_lock_left_by_a_dead_stager_taken_over(rt, tmp, mode, monkeypatch, capfd
         assert f"pid {dead} is no longer running" in err
         assert not os.path.exists(os.path.join(node_dir, destlock.LOCK_NAME))
     w.Barrier()
+
+
+@pytest.mark.mpi
+def test_symlinks_planted_in_the_destination_are_not_written_through(rt, tmp):
+    """Someone who can write the destinations plants symlinks to one of the user's files at
+    the names a stager writes: the lock file (refused on every rank, naming it) and the
+    temporary names of READY, STAGING and manifest.json for every rank's pid (random names
+    now: the stage goes on). The user's file is untouched either way (docs/security.md)."""
+    items = _items(10, seed=15)
+    src = os.path.join(tmp, "src")
+    _pack_on_root(rt, items, src)
+    dest = os.path.join(tmp, "node{node}")
+    topo, w = rt.topology, rt.world.mpi
+    victim = os.path.join(tmp, "victim")
+    pids = w.allgather(os.getpid())
+    if w.Get_rank() == 0:
+        with open(victim, "w") as f:
+            f.write("mine")
+        for node in range(topo.num_nodes):
+            d = os.path.join(tmp, f"node{node}")
+            os.makedirs(d)
+            os.symlink(victim, os.path.join(d, destlock.LOCK_NAME))
+            for name in (mf.READY, mf.STAGING, mf.MANIFEST):
+                for pid in pids:
+                    os.symlink(victim, os.path.join(d, f"{name}.tmp{pid}"))
+    w.Barrier()
+    with pytest.raises(StageError, match=rf"{destlock.LOCK_NAME}: \[Errno \d+\] Too many levels "
+                                         rf"of symbolic links"):
+        stage(src, dest, progress=False, lock_wait=0)
+    w.Barrier()
+    if w.Get_rank() == 0:
+        for node in range(topo.num_nodes):
+            os.unlink(os.path.join(tmp, f"node{node}", destlock.LOCK_NAME))
+    w.Barrier()
+    res = stage(src, dest, progress=False, lock_wait=0)
+    assert res.shards_copied == len(mf.load(src).shards) * topo.num_nodes
+    assert open(victim).read() == "mine"
+    assert len(open_dataset(_node_dir(rt, tmp))) == len(items)

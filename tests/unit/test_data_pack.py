@@ -137,6 +137,21 @@ def test_errors(tmp_path):
     assert (tmp_path / "other" / "keep.txt").exists()
 
 
+@pytest.mark.parametrize("name", ["../shard-00000.lmdb", "/etc/passwd", "a/b", "..", ".hidden",
+                                  "", "manifest.json", "READY", "STAGING", "x\0y", 7])
+def test_manifest_shard_names_stay_inside_the_directory(tmp_path, name):
+    """A manifest someone else edited cannot point a reader or a stager outside the data set
+    directory, nor make a shard of the manifest or a marker (docs/security.md)."""
+    pack(_items(10), tmp_path / "ds", shard_bytes=10_000, progress=False)
+    doc = json.loads((tmp_path / "ds" / mf.MANIFEST).read_bytes())
+    doc["shards"][0]["name"] = name
+    with pytest.raises(mf.DatasetError, match=r"shards\[0\]\.name .* must be a plain file name"):
+        mf.Manifest.from_json(json.dumps(doc))
+    (tmp_path / "ds" / mf.MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(mf.DatasetError, match="must be a plain file name"):
+        open_dataset(str(tmp_path / "ds"))
+
+
 def test_manifest_validation(tmp_path):
     pack(_items(10), tmp_path / "ds", shard_bytes=10_000, progress=False)
     doc = json.loads((tmp_path / "ds" / mf.MANIFEST).read_bytes())
