@@ -121,8 +121,8 @@ class Job:
         parent = self.ranks()[rank]
         return sorted(p for p in job_processes(self.tag) if _ppid(p) == parent)
 
-    def kill(self, pid: int, what: str) -> None:
-        os.kill(pid, signal.SIGKILL)
+    def kill(self, pid: int, what: str, sig: int = signal.SIGKILL) -> None:
+        os.kill(pid, sig)
         self.killed_at = time.monotonic()
         self.killed.append((what, pid))
 

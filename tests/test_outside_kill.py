@@ -13,11 +13,13 @@ for the target to say it is inside the phase, SIGKILLs it from this process
 - every case: mpirun has exited and no process of the job is left (also none re-parented to
   init: found by a marker in their environment), and nothing half-written has a final name.
 """
-import os
 import json
+import os
 import pathlib
 import re
+import signal
 import sys
+import time
 
 import pytest
 
@@ -25,7 +27,7 @@ from outside_kill import Job
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "scripts" / "outside_kill_train.py")
-HOLD = str(ROOT / "tests" / "scripts" / "hold_in.py")
+HOLD = str(ROOT / "tests" / "scripts" / "stage_killed.py")
 JOB_TIMEOUT = 10            # HPCDDP_TIMEOUT of the jobs: "within the timeout + 10 s"
 WALL = 150                  # the hard limit of each job
 
@@ -146,3 +148,124 @@ def test_elastic_loss_outside_the_step_ends_the_job_saying_why(tmp_path, phase, 
     assert f"rank {target} was lost outside state.step()" in out, out[-4000:]
     if phase == "checkpoint":
         assert sorted((tmp_path / "ckpt").glob("ckpt-*.pt")) == []
+
+
+def _pack_source(tmp, n=40, size=3000):
+    import numpy as np
+    root = tmp / "files"
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        p = root / f"class{i % 3}" / f"f{i:03d}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(rng.bytes(size))
+    return root
+
+
+def _cli(tmp, nprocs, hold, target, argv, **env):
+    return Job(nprocs, [sys.executable, HOLD, f"hold:{hold}", str(target), *argv],
+               outfile=tmp / "out.txt", timeout=WALL, env=_env(**env))
+
+
+def _pack(root, out):
+    import subprocess
+    res = subprocess.run([sys.executable, "-m", "hpcddp", "pack", str(root), str(out),
+                          "--labels", "parent", "--shard-size", "8K", "--no-progress"],
+                         capture_output=True, text=True, timeout=WALL)
+    assert res.returncode == 0, res.stderr
+
+
+def test_stage_rank_killed_mid_copy(tmp_path):
+    """``hpcddp stage`` under mpirun, rank 1 killed inside its copy: the job ends naming it,
+    and every shard under its final name on that node is whole (the rest are .partial)."""
+    from hpcddp.data import manifest as mf
+    src = tmp_path / "src"
+    _pack(_pack_source(tmp_path), src)
+    job = _cli(tmp_path, 2, 30, 1, ["stage", str(src), str(tmp_path / "dst-{node}"),
+                                    "--chunk-size", "2K", "--no-progress"],
+               HPCDDP_RANKS_PER_NODE=1)
+    _kill(job, 1, "stage", "rank")
+    rc, out, after_kill = _ended_cleanly(job)
+    assert rc != 0 and after_kill <= JOB_TIMEOUT + 10, out[-3000:]
+    _names_lost(out, 1, "rank", None)
+    m = mf.load(str(src))
+    for node in (0, 1):
+        dst = tmp_path / f"dst-{node}"
+        assert not (dst / mf.READY).exists()
+        for s in m.shards:
+            if (dst / s.name).exists():       # final name: a whole, identical shard
+                assert (dst / s.name).read_bytes() == (src / s.name).read_bytes(), s.name
+
+
+def test_stage_peer_hung_ends_in_a_stall_report(tmp_path):
+    """A rank that hangs inside ``hpcddp stage`` (here: stopped in its copy, never killed):
+    the watchdog sees the others wait in staging's own MPI calls and its report names it."""
+    src = tmp_path / "src"
+    _pack(_pack_source(tmp_path), src)
+    job = _cli(tmp_path, 2, 30, 1, ["stage", str(src), str(tmp_path / "dst-{node}"),
+                                    "--chunk-size", "2K", "--no-progress"],
+               HPCDDP_RANKS_PER_NODE=1, HPCDDP_TIMEOUT=5)
+    job.wait_for(r"\[rank1\] AT PHASE stage")
+    t0 = time.monotonic()
+    rc, out, _ = _ended_cleanly(job)
+    assert rc == 3, out[-3000:]                        # the stall policy's exit code
+    assert time.monotonic() - t0 <= 5 + 20, out[-3000:]
+    assert re.search(r"rank 1 has not called stage:\S+ #\d+ on stage#\d+", out), out[-3000:]
+
+
+def test_pack_killed_leaves_no_partial_shard_under_its_name(tmp_path):
+    """``hpcddp pack`` (one process, here under mpirun) killed between writing a shard and
+    renaming it into place: no manifest, and every shard with a final name is whole."""
+    root = _pack_source(tmp_path)
+    ref, out_dir = tmp_path / "ref", tmp_path / "out"
+    _pack(root, ref)
+    job = _cli(tmp_path, 1, 3, 0, ["pack", str(root), str(out_dir), "--labels", "parent",
+                                   "--shard-size", "8K", "--no-progress"])
+    _kill(job, 0, "pack", "rank")
+    rc, out, _ = _ended_cleanly(job)
+    assert rc != 0, out[-3000:]
+    names = sorted(p.name for p in out_dir.iterdir())
+    assert "manifest.json" not in names and any(n.endswith(".partial") for n in names), names
+    finals = [n for n in names if not n.endswith(".partial")]
+    assert len(finals) == 2, names
+    for n in finals:
+        assert (out_dir / n).read_bytes() == (ref / n).read_bytes(), n
+
+
+def test_demo_terminated_ends_its_job(tmp_path):
+    """``timeout``/a batch system sends SIGTERM to ``hpcddp demo``: the job it started ends
+    too (mpirun runs in its own session and would outlive it)."""
+    job = Job(0, [], outfile=tmp_path / "out.txt", timeout=WALL, env=_env(),
+              cmd=[sys.executable, "-m", "hpcddp", "demo", "--nprocs", "2", "--workdir",
+                   str(tmp_path / "w"), "--epochs", "30"])
+    job.wait_for(r"\[train\] epoch  2/")
+    job.kill(job.proc.pid, "hpcddp demo", signal.SIGTERM)
+    rc, out, after = _ended_cleanly(job)
+    assert "hpcddp demo: terminated: ended the job" in out and rc == 143, out[-2000:]
+
+
+def test_ranks_end_when_mpirun_is_killed(tmp_path):
+    """mpirun itself SIGKILLed (a batch system's hard limit, an admin): its ranks, now
+    orphans that would wait in their collectives forever, end themselves within seconds."""
+    job = _train(tmp_path, 3, "plain", "forward", 1)     # rank 1 holds, the others wait
+    job.wait_for(r"\[rank1\] AT PHASE forward")
+    job.kill(job.proc.pid, "mpirun")
+    job.finish()
+    left = job.leftovers(grace=10.0)
+    assert not left, left
+
+
+@pytest.mark.parametrize("mode", ["plain", "elastic"])
+def test_exception_on_one_rank(tmp_path, mode):
+    """One rank's uncaught exception while the others wait for it in the gradient all-reduce
+    and catch SIGTERM (a Checkpointer). Plain: the job ends (MPI_Abort), the traceback shown.
+    Elastic (``mpirun --with-ft ulfm``, where Open MPI does not reliably pass MPI_Abort on):
+    the rank ends as a lost rank after its traceback, and the others go on without it."""
+    job = _train(tmp_path, 3, mode, "raise", 1)
+    rc, out, _ = _ended_cleanly(job)
+    assert "[rank1] RuntimeError: a bug on rank 1" in out, out[-3000:]
+    if mode == "plain":
+        assert rc != 0, out[-3000:]
+        return
+    assert rc == 0 and "ending this rank as a lost rank" in out, out[-3000:]
+    finals = [json.loads(p.read_text()) for p in tmp_path.glob("final.*.json")]
+    assert len(finals) == 2 and all(f["lost"] == [1] for f in finals), out[-3000:]

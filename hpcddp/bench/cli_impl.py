@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 from hpcddp.bench import report
@@ -35,7 +34,7 @@ def _relaunch_argv(args) -> list[str]:
 
 
 def _launch(args) -> int:
-    from hpcddp.launch.mpirun import _is_open_mpi, find_mpirun, mpirun_command
+    from hpcddp.launch.mpirun import _is_open_mpi, find_mpirun, mpirun_command, run_job
     n = args.np
     mpirun = find_mpirun()
     extra = []
@@ -48,13 +47,7 @@ def _launch(args) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONUNBUFFERED="1")
     print("hpcddp bench: " + " ".join(cmd), file=sys.stderr, flush=True)
-    try:
-        return subprocess.run(cmd, env=env, timeout=args.timeout,
-                              start_new_session=True).returncode
-    except subprocess.TimeoutExpired:
-        print(f"hpcddp bench: the job outlived --timeout {args.timeout:.0f} s and was killed",
-              file=sys.stderr)
-        return 124
+    return run_job(cmd, env=env, timeout=args.timeout, name="hpcddp bench")
 
 
 def main(args) -> int:

@@ -85,16 +85,16 @@ def run(args) -> int:
 def launch(cfg, *, nprocs: int, ranks_per_node=None, timeout: float = 600.0) -> int:
     """Start ``mpirun -n NPROCS python -m hpcddp demo ...`` and stream its output.
 
-    Returns the job's exit status (124 after killing it at TIMEOUT seconds). Unlike
-    ``run_mpi`` (which collects the output for tests), the output appears as it comes.
+    Returns the job's exit status (124 after killing it at TIMEOUT seconds; the job also ends
+    with this process: ``run_job``). Unlike ``run_mpi`` (which collects the output for
+    tests), the output appears as it comes.
     """
     import os
-    import signal
-    import subprocess
     import sys
     import time
 
-    from hpcddp.launch.mpirun import mpirun_command
+    from hpcddp.launch.mpirun import (JOB_INTERRUPTED, JOB_TERMINATED, JOB_TIMED_OUT,
+                                      mpirun_command, run_job)
 
     env = dict(os.environ)
     if ranks_per_node is not None:
@@ -112,22 +112,8 @@ def launch(cfg, *, nprocs: int, ranks_per_node=None, timeout: float = 600.0) -> 
     print(f"hpcddp demo: HPCDDP_RANKS_PER_NODE={env['HPCDDP_RANKS_PER_NODE']} "
           f"{' '.join(cmd)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    try:
-        rc = proc.wait(timeout=timeout)
+    rc = run_job(cmd, env=env, timeout=timeout, name="hpcddp demo")
+    if rc not in (JOB_TIMED_OUT, JOB_INTERRUPTED, JOB_TERMINATED):
         print(f"hpcddp demo: exit {rc} after {time.perf_counter() - t0:.1f} s wall (mpirun "
               f"start to exit)", file=sys.stderr, flush=True)
-        return rc
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        print(f"hpcddp demo: killed the job after {timeout:.0f} s (--timeout)", file=sys.stderr)
-        return 124
-    except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        return 130
+    return rc

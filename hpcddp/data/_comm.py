@@ -6,6 +6,8 @@ and from the launcher's variables otherwise, and never starts MPI themselves.
 """
 from __future__ import annotations
 
+import contextlib
+
 
 def _runtime():
     import sys
@@ -53,3 +55,29 @@ def mpi_comm(comm=None):
         from hpcddp.comm import world
         return world().mpi
     return getattr(comm, "mpi", comm)
+
+
+_watched: dict = {}      # id(mpi4py comm) -> (comm, its Communicator for the recorder)
+
+
+@contextlib.contextmanager
+def watched(comm, op: str):
+    """Hold a staging MPI call (``op``, e.g. "stage:bcast") in the flight recorder while it
+    runs, as every hpcddp op is held: a peer that dies or hangs inside ``hpcddp stage`` then
+    ends in the watchdog's stall report naming it (docs/hangs.md), not in the job's time
+    limit. Each staging communicator has a name ("stage#2 (4 ranks)": the plan's world, its
+    node groups and their leaders are distinct communicators) and its own sequence numbers."""
+    from hpcddp.comm.communicator import Communicator
+    from hpcddp.diagnostics import recorder
+    key = id(comm)
+    held = _watched.get(key)
+    if held is None or held[0] is not comm:
+        if len(_watched) > 64:          # communicators of finished stagings
+            _watched.clear()
+        name = f"stage#{len(_watched) + 1} ({comm.Get_size()} ranks)"
+        held = _watched[key] = (comm, Communicator(comm, name))
+    entry = recorder.start(held[1], op)
+    try:
+        yield
+    finally:
+        recorder.end(entry)

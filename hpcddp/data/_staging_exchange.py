@@ -18,6 +18,7 @@ it too instead of waiting.
 from __future__ import annotations
 
 from hpcddp.data import manifest as mf
+from hpcddp.data._comm import watched
 from hpcddp.data._staging_io import CopyStats, Reader, Sink, slot_pool
 from hpcddp.data._staging_plan import chunks_of, split_by_bytes
 
@@ -30,7 +31,8 @@ def copy_exchange(gl, strategy: str, src: str, node_dest: str, m: mf.Manifest, t
     pool = slot_pool(chunk * (gsize if strategy == "allgather" else 1))
     sink = Sink(pool, node_dest, m.shards, fsync, bar)
     try:
-        union = sorted(set().union(*map(set, gl.allgather(todo))))
+        with watched(gl, "stage:allgather"):
+            union = sorted(set().union(*map(set, gl.allgather(todo))))
         reader_of = _readers(union, sizes, gsize)
         at = me * chunk if strategy == "allgather" else 0
         reader = Reader(src, m.shards, _pieces(union, reader_of, sizes, chunk, gsize)[me], pool, at)
@@ -74,10 +76,11 @@ def _run_bcast(gl, union, reader_of, sizes, chunk, me, reader, pool, sink, want)
                 assert (s2, off2, n2) == (s, off, n)
             else:
                 slot, last, status = pool.get(), i == len(pieces) - 1, None
-            if last:  # the reader's verdict on this shard travels with its last piece
-                status = gl.bcast(status, root=root)
-            if n:
-                gl.Bcast([slot.buf, n, MPI.BYTE], root=root)
+            with watched(gl, "stage:bcast"):
+                if last:  # the reader's verdict on this shard travels with its last piece
+                    status = gl.bcast(status, root=root)
+                if n:
+                    gl.Bcast([slot.buf, n, MPI.BYTE], root=root)
             if s in want:
                 sink.submit(slot, [(s, off, 0, n, last, status)])
             else:
@@ -97,9 +100,10 @@ def _run_allgather(gl, union, reader_of, sizes, chunk, me, reader, pool, sink, w
             hdr = (s, off, n, last, status)
         else:
             slot, hdr = pool.get(), None
-        hdrs = gl.allgather(hdr)
-        counts = [h[2] if h else 0 for h in hdrs]
-        gl.Allgatherv(MPI.IN_PLACE, [slot.buf, (counts, displs), MPI.BYTE])
+        with watched(gl, "stage:allgather"):
+            hdrs = gl.allgather(hdr)
+            counts = [h[2] if h else 0 for h in hdrs]
+            gl.Allgatherv(MPI.IN_PLACE, [slot.buf, (counts, displs), MPI.BYTE])
         pieces = [(h[0], h[1], j * chunk, h[2], h[3], h[4]) for j, h in enumerate(hdrs)
                   if h is not None and h[0] in want]
         sink.submit(slot, pieces)

@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from hpcddp.data import manifest as mf
+from hpcddp.data._comm import watched
 from hpcddp.data._staging_io import CopyStats
 from hpcddp.data._staging_plan import Job, Plan, StageError, agree
 
@@ -81,13 +82,15 @@ def finalize(job: Job, plan: Plan, st: CopyStats, dest: str, chunk: int, fsync: 
               "read_s": st.read_s, "write_s": st.write_s, "hash_s": st.hash_s,
               "dest": plan.node_dest, "plan_s": t_plan - t_start,
               "copy_s": t_copy_local - t_plan, "lock_s": plan.lock_s}
-    reports = job.world.allgather(report)
+    with watched(job.world, "stage:allgather:reports"):
+        reports = job.world.allgather(report)
     _fail_on_copy_errors(reports)
     err = _write_markers(job, plan, fsync) if job.marks and not plan.keep else None
     agree(job.world, err, "finalize")
     t_end = time.perf_counter()
-    spans = job.world.allgather((t_plan - t_start, t_copy - t_plan, t_end - t_copy,
-                                 t_end - t_start))
+    with watched(job.world, "stage:allgather:times"):
+        spans = job.world.allgather((t_plan - t_start, t_copy - t_plan, t_end - t_copy,
+                                     t_end - t_start))
     return _result(job, plan, os.fspath(dest), chunk, reports, spans)
 
 

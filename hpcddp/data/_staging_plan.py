@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from hpcddp.data import destlock
+from hpcddp.data._comm import watched
 from hpcddp.data import manifest as mf
 
 # Chunk buffers per leader: one being read ahead, one on the wire, two being written and
@@ -31,7 +32,8 @@ class StageError(RuntimeError):
 
 def agree(comm, err: str | None, what: str) -> None:
     """Every rank learns every rank's error; all raise the same StageError, or none does."""
-    errs = [e for e in comm.allgather(err) if e]
+    with watched(comm, f"stage:agree:{what}"):
+        errs = [e for e in comm.allgather(err) if e]
     if errs:
         uniq = list(dict.fromkeys(errs))
         more = f" (and {len(uniq) - 3} more)" if len(uniq) > 3 else ""
@@ -193,7 +195,8 @@ def _read_manifest(job: Job, src: str) -> tuple[bytes, int]:
             raw, err = None, (f"cannot read the source manifest: {exc}" if isinstance(exc, OSError)
                               else str(exc))
     if not job.every:
-        raw, err = gcomm.bcast((raw, err), root=0)
+        with watched(gcomm, "stage:bcast:manifest"):
+            raw, err = gcomm.bcast((raw, err), root=0)
     agree(job.world, err, "source")
     return raw, nread
 
@@ -208,7 +211,9 @@ def _node_destination(job: Job, dest: str) -> str:
         err = str(exc)
     agree(job.world, err, "destination")
     if topo.is_leader:
-        seen = topo.leader_comm.allgather((topo.hostname, os.path.realpath(node_dest), topo.node))
+        with watched(topo.leader_comm, "stage:allgather:destinations"):
+            seen = topo.leader_comm.allgather((topo.hostname, os.path.realpath(node_dest),
+                                               topo.node))
         where: dict = {}
         for host, path, node in seen:
             where.setdefault((host, path), []).append(node)
@@ -239,7 +244,8 @@ def lock_destination(world, topo, node_dest: str, held: list, wait_s: float) -> 
     while True:
         lock, busy, err = _try_lock(topo, node_dest, lock) if topo.is_leader else (None, None, None)
         expired = time.monotonic() - t0 >= wait_s
-        states = world.allgather((busy, err, expired, topo.node, topo.hostname, node_dest))
+        with watched(world, "stage:allgather:lock"):
+            states = world.allgather((busy, err, expired, topo.node, topo.hostname, node_dest))
         errs = [s[1] for s in states if s[1]]
         blocked = [s for s in states if s[0] is not None]
         if lock is not None and lock.held and (errs or blocked):

@@ -43,6 +43,7 @@ import os
 import time
 
 from hpcddp.data import manifest as mf
+from hpcddp.data._comm import watched
 from hpcddp.data._staging_exchange import copy_exchange
 from hpcddp.data._staging_finalize import StageResult, finalize
 from hpcddp.data._staging_io import CopyStats, copy_local
@@ -160,9 +161,10 @@ def _copy(job: Job, plan: Plan, chunk: int, fsync: bool, progress: bool) -> Copy
 
 def _quiet_barrier(comm) -> None:
     """A barrier that sleeps instead of spinning, leaving the cores to ranks still copying."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(_POLL_S)
+    with watched(comm, "stage:barrier"):
+        req = comm.Ibarrier()
+        while not req.Test():
+            time.sleep(_POLL_S)
 
 
 def write_json(result: StageResult, path: str) -> None:

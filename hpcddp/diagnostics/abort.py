@@ -8,6 +8,7 @@ and reports its exceptions as Python and torch do, without MPI (hpcddp.launch.pr
 from __future__ import annotations
 
 import io
+import os
 import signal
 import sys
 import threading
@@ -41,14 +42,40 @@ def _abort_with(exc_type, exc, tb) -> None:
         # torch.distributed's own excepthook calls this one with sys.stderr swapped for a
         # StringIO that it prints afterwards: after MPI_Abort there is no afterwards
         out = sys.__stderr__ if isinstance(sys.stderr, io.StringIO) else sys.stderr
-        _log.log(f"uncaught exception, aborting the job (abort_on_exception; exit code "
-                 f"{ABORT_EXIT_CODE}):\n{text}", file=out)
+        leave = fault_tolerant_job() and not _end_whole_job
+        how = ("ending this rank as a lost rank (a fault-tolerant job: the others see it "
+               "fail)" if leave else
+               f"aborting the job (abort_on_exception; exit code {ABORT_EXIT_CODE})")
+        _log.log(f"uncaught exception, {how}:\n{text}", file=out)
         time.sleep(OUTPUT_GRACE_S)
     finally:
         from hpcddp.comm._mpi import MPI
+        if fault_tolerant_job() and not _end_whole_job:
+            # Open MPI 5.0 under --with-ft ulfm does not reliably pass an MPI_Abort on: seen,
+            # the others waiting in an MPI_Allreduce send to the aborted rank and mpirun
+            # alive for minutes; a process that dies is always seen (ULFM's own failure
+            # path: in elastic mode the others recover, else their errors end them too)
+            os.kill(os.getpid(), signal.SIGKILL)
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.COMM_WORLD.Abort(ABORT_EXIT_CODE)
         sys.exit(1)
+
+
+_end_whole_job = False
+
+
+def end_whole_job() -> None:
+    """Make the next abort end the whole job (MPI_Abort) even where ULFM is on: for errors every
+    rank meets alike (hpcddp.elastic: a rank lost outside state.step()), so that mpirun
+    exits non-zero instead of seeing every rank merely lost."""
+    global _end_whole_job
+    _end_whole_job = True
+
+
+def fault_tolerant_job(env=None) -> bool:
+    """Whether this job runs with ULFM on (Open MPI's ``mpirun --with-ft ulfm`` sets it)."""
+    value = (os.environ if env is None else env).get("OMPI_MCA_mpi_ft_enable", "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def _restore_hooks_in_child() -> None:

@@ -549,6 +549,8 @@ def _explain_losses_outside_steps(state) -> None:
                     lost = failed_world_ranks(comm)
                     who = (f"rank{'s' if len(lost) != 1 else ''} "
                            f"{', '.join(map(str, lost))}" if lost else "a rank")
+                    from hpcddp.diagnostics import abort
+                    abort.end_whole_job()     # every survivor meets it: the job has failed
                     _log.log(f"elastic: {who} was lost outside state.step() (in "
                              f"{type(exc).__name__}: {str(exc)[:120]}): hpcddp.elastic recovers "
                              f"a lost rank only inside `with state.step():` (evaluation, "

@@ -96,3 +96,63 @@ def _run_once(cmd, timeout, full_env, cwd) -> subprocess.CompletedProcess:
         err += f"\nrun_mpi: killed after {timeout:.0f} s timeout: {' '.join(cmd)}\n"
         return subprocess.CompletedProcess(cmd, -9, out, err)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+JOB_TIMED_OUT, JOB_INTERRUPTED, JOB_TERMINATED = 124, 130, 143
+
+
+def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
+            timeout: float | None = None, name: str = "hpcddp") -> int:
+    """Run an mpirun command line with its output streaming through, and return its status.
+
+    The job runs in its own session, and whatever ends this process ends the job too: past
+    TIMEOUT seconds the job's process group is killed (status 124); Ctrl-C or a SIGTERM sent
+    to this process (``timeout``, a batch system) is passed on as SIGTERM, then SIGKILL 10 s
+    later (status 130 or 143). Left to itself, mpirun would outlive its caller. NAME prefixes
+    the one line that says so.
+    """
+    proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env),
+                            start_new_session=True)
+    previous = None
+    if threading_is_main():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _end_group(proc, signal.SIGKILL)
+        print(f"{name}: killed the job after {timeout:.0f} s (--timeout)", file=sys.stderr)
+        return JOB_TIMED_OUT
+    except (KeyboardInterrupt, _Terminated) as exc:
+        _end_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _end_group(proc, signal.SIGKILL)
+        print(f"{name}: {'interrupted' if isinstance(exc, KeyboardInterrupt) else 'terminated'}"
+              f": ended the job", file=sys.stderr)
+        return JOB_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else JOB_TERMINATED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+def threading_is_main() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def _end_group(proc, sig) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if sig == signal.SIGKILL:
+        proc.wait()

@@ -6,7 +6,8 @@ argv: OUTDIR MODE PHASE TARGET [WORKERS]
     worker's __getitem__), forward, backward (inside a gradient-bucket all-reduce), optimizer,
     eval, checkpoint (inside Checkpointer.save on rank 0), arena (a 4 MiB all_reduce through
     the shared-memory arena or the hierarchical path), collective (the user's own all_reduce
-    inside state.epochs(), outside state.step()), none.
+    inside state.epochs(), outside state.step()), raise (no kill: TARGET raises an exception
+    in its forward pass while the others wait for it in the gradient all-reduce), none.
 At step PAUSE_STEP of epoch 0 (eval: after training) TARGET prints
 ``[rankT] AT PHASE <phase> pid <pid>`` and then waits there: in the phase itself (a sleep), or
 inside a collective whose peers come 2 s late. The test sees the line and sends SIGKILL. The
@@ -103,6 +104,17 @@ def main():
                 time.sleep(LATE_S)
 
     model.register_forward_pre_hook(lambda *a: hold_here("forward"))
+
+    def raise_here(*a):                   # a bug on one rank: its exception ends the job
+        if holding("raise") and me == target:
+            at("raise", me)
+            time.sleep(0.5)
+            raise RuntimeError(f"a bug on rank {me}")
+    model.register_forward_pre_hook(raise_here)
+    # a Checkpointer catches SIGTERM (preemption), as real jobs' do: a rank that must end
+    # cannot count on SIGTERM then (Open MPI under --with-ft ulfm sends no SIGKILL after it)
+    from hpcddp.parallel.checkpoint import Checkpointer
+    Checkpointer(os.path.join(out, "ckpt"))
     opt.register_step_pre_hook(lambda *a: hold_here("optimizer"))
 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -1,0 +1,91 @@
+"""A rank SIGKILLed from outside inside a Slurm batch job (the local 2-node Slurm of
+tests/test_jobs_slurm.py): through a plain ``srun`` step the job fails naming the task, through
+the template's elastic option (``mpirun --with-ft ulfm`` in the allocation) the survivors
+finish; either way no process of the job is left on any node (both slurmds run on this host,
+so the marker scan of tests/outside_kill.py sees every node's processes). Skips exactly when
+test_jobs_slurm.py does.
+"""
+import json
+import pathlib
+import re
+import shlex
+import sys
+import time
+import uuid
+
+import pytest
+
+from hpcddp.launch.templates import render
+from outside_kill import MARK, _comm, _environ, _ppid, job_processes
+from test_elastic import needs_ulfm
+from test_jobs_slurm import Job as SlurmJob, sh, slurm  # noqa: F401
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "tests" / "scripts" / "outside_kill_train.py")
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _batch(out: pathlib.Path, tag: str, elastic: bool, tasks_per_node: int, args) -> str:
+    return render("multi-node-ddp", elastic=elastic, job_name="hpcddp-outside-kill", nodes=2,
+                  tasks_per_node=tasks_per_node, gpus=0, cpus_per_task=1, time="5",
+                  output=f"{out}/kill-%j.out", script=SCRIPT, args=[str(out), *args],
+                  setup=[f". {shlex.quote(sys.prefix)}/bin/activate",
+                         f"export {MARK}={tag} HPCDDP_TIMEOUT=10 PYTHONUNBUFFERED=1",
+                         "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"])
+
+
+def _rank_pid(tag: str, rank: int) -> int:
+    for pid in job_processes(tag):
+        env = _environ(pid)
+        r = env.get("OMPI_COMM_WORLD_RANK", env.get("PMIX_RANK"))
+        if r == str(rank) and _comm(_ppid(pid)) in ("slurmstepd", "prted", "prterun"):
+            return pid
+    raise AssertionError(f"no process of rank {rank} in job {tag}")
+
+
+def _run(tmp_path, elastic, tasks_per_node, args, target):
+    tag = uuid.uuid4().hex[:12]
+    script = tmp_path / "kill.sbatch"
+    script.write_text(_batch(tmp_path, tag, elastic, tasks_per_node, args))
+    res = sh(["sbatch", "--parsable", str(script)], 60, cwd=tmp_path)
+    assert res.returncode == 0, f"sbatch failed: {res.stderr}"
+    job = SlurmJob(res.stdout.strip().split(";")[0], tmp_path, "kill-*.out")
+    job.wait(lambda recs: re.search(rf"\[rank{target}\] AT PHASE", job.logs()) or (
+        recs and recs[0].get("JobState") not in ("PENDING", "RUNNING")),
+        timeout=300, what="to reach the phase", poll=0.2)
+    import os
+    import signal
+    os.kill(_rank_pid(tag, target), signal.SIGKILL)
+    t_kill = time.monotonic()
+    recs = job.wait(timeout=400)
+    after = time.monotonic() - t_kill
+    deadline = time.monotonic() + 10
+    while job_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = job_processes(tag)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, f"processes of the job left on the nodes: {left}\n{job.logs()[-3000:]}"
+    return job, recs[0], after
+
+
+def test_srun_step_rank_killed_fails_the_job(slurm, tmp_path):
+    job, rec, after = _run(tmp_path, False, 1, ["plain", "forward", "1", "1"], 1)
+    log = job.logs()
+    assert rec["JobState"] == "FAILED", (rec, log[-3000:])
+    assert after <= 10 + 20, f"{after:.1f} s from the kill to the job's end"
+    assert re.search(r"task 1: Killed", log), log[-3000:]
+
+
+@needs_ulfm
+def test_elastic_template_rank_killed_survivors_finish(slurm, tmp_path):
+    job, rec, _ = _run(tmp_path, True, 2, ["elastic", "backward", "1", "1"], 1)
+    log = job.logs()
+    assert rec["JobState"] == "COMPLETED", (rec, log[-3000:])
+    assert "elastic: lost rank 1" in log
+    finals = [json.loads((tmp_path / f"final.{r}.json").read_text()) for r in (0, 2, 3)]
+    assert all(f["params"] == finals[0]["params"] and f["size"] == 3 for f in finals)
