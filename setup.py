@@ -1,6 +1,6 @@
 """Build hpcddp's one C module, the plan hits (hpcddp/collectives/_fastpath.c).
 
-Everything else is declared in setup.cfg. The module is optional: it is compiled and linked
+Everything else is declared in pyproject.toml ([project], PEP 621). The module is optional: it is compiled and linked
 with the MPI compiler wrapper ($MPICC, else the mpicc next to this Python, else mpicc on
 PATH), which must be the MPI that mpi4py runs on (on a cluster: the module-loaded MPI, as for
 mpi4py itself). Without one, or if the build fails, hpcddp installs as pure Python and

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from hpcddp._version import __version__
 
 # name -> module that defines it; resolved on first access so `import hpcddp` stays light
 _LAZY = {

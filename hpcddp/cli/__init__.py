@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="MPI-backed HPC training toolkit for PyTorch. Run a subcommand under "
         "mpirun/srun for a parallel job, e.g. `mpirun -n 4 hpcddp info`.",
     )
+    from hpcddp._version import __version__    # not hpcddp's __init__: that imports torch
+    parser.add_argument("--version", action="version", version=f"hpcddp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         try:
