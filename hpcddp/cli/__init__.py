@@ -52,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    from hpcddp.launch.mpilib import MPILibraryError
+    try:
+        return int(args._run(args) or 0)
+    except MPILibraryError as exc:   # a fix to print, not a traceback
+        print(f"hpcddp {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover
