@@ -1,4 +1,6 @@
-"""Build hpcddp's one C module, the plan hits (hpcddp/collectives/_fastpath.c).
+"""Build hpcddp's one C module, the plan hits (hpcddp/collectives/_fastpath.c), and put
+hpcddp-torchrun-env.pth beside the package (torchrun's variables under MPI launchers at
+interpreter start: hpcddp/launch/torchrun_env.py).
 
 Everything else is declared in pyproject.toml ([project], PEP 621). The module is optional: it is compiled and linked
 with the MPI compiler wrapper ($MPICC, else the mpicc next to this Python, else mpicc on
@@ -12,6 +14,11 @@ import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+
+#: A .pth file in site-packages: Python runs its `import` line at every interpreter start.
+PTH = "hpcddp-torchrun-env.pth"
+PTH_LINE = "import _hpcddp_torchrun_env\n"
 
 
 def find_mpicc():
@@ -37,8 +44,26 @@ class BuildWithMPICC(build_ext):
         super().build_extensions()
 
 
+class BuildPyWithPth(build_py):
+    """build_py, plus the .pth at the top of the wheel (site-packages), editable installs too."""
+
+    def run(self):
+        super().run()
+        where = self.build_lib
+        if getattr(self, "editable_mode", False):
+            # an editable wheel takes only package files from build_lib; what goes straight
+            # into site-packages is written to the unpacked wheel (setuptools' install_lib)
+            where = self.distribution.get_command_obj("install").install_lib or where
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, PTH), "w") as f:
+            f.write(PTH_LINE)
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+
+
 setup(
     ext_modules=[Extension("hpcddp.collectives._fastpath", ["hpcddp/collectives/_fastpath.c"],
                            optional=True)],
-    cmdclass={"build_ext": BuildWithMPICC},
+    cmdclass={"build_ext": BuildWithMPICC, "build_py": BuildPyWithPth},
 )

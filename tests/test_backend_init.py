@@ -67,7 +67,9 @@ def test_hpcddp_init_process_group_with_nothing_set(tmp_path):
 
 def test_plain_dist_init_process_group_with_nothing_set(tmp_path):
     res = _run(tmp_path, 2, """
-        assert "MASTER_ADDR" not in os.environ and "RANK" not in os.environ
+        # RANK is there (hpcddp set torchrun's variables at start-up), MASTER_ADDR is not
+        assert "MASTER_ADDR" not in os.environ
+        assert os.environ["HPCDDP_TORCH_VARS_SET"].startswith("RANK,WORLD_SIZE,")
         dist.init_process_group("hpcddp")
     """)
     assert res.returncode == 0 and _oks(res, 2), res.stdout + res.stderr
