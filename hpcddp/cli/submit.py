@@ -37,6 +37,8 @@ FLAGS = {
     "--mpi": ("mpi", str, "srun --mpi plugin: pmix (default) or pmi2"),
     "--signal-lead": ("signal_lead", int, "seconds before the time limit to checkpoint "
                                           "and requeue (default 120)"),
+    "--max-requeues": ("max_requeues", int, "times the job requeues itself at its time limit "
+                                            "(default 3; 0: never)"),
     "--elastic": ("elastic", "bool", "survive a lost rank: the script uses hpcddp.elastic and "
                                      "runs under mpirun --with-ft ulfm (docs/elastic.md)"),
     "--stage-src": ("stage_src", str, "stage-then-train: data set on the shared filesystem"),
