@@ -23,8 +23,16 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, refusing in one line (which argument, what is wrong, where the help is)
+    instead of the whole usage block above a job's log; exit status 2 as argparse's."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hpcddp",
         description="MPI-backed HPC training toolkit for PyTorch. Run a subcommand under "
         "mpirun/srun for a parallel job, e.g. `mpirun -n 4 hpcddp info`.",

@@ -111,8 +111,11 @@ def run(args) -> int:
     try:
         text = render(args.template, **options_from_args(args))
     except TemplateError as exc:
-        print(f"hpcddp submit: {exc}", file=sys.stderr)
-        return 2
+        import re
+
+        from hpcddp.cli._errors import refuse
+        # the library names its function ("render('cpu-mpi'): ..."); here the command says it
+        return refuse("submit", re.sub(r"^render\('[^']*'\): ", "", str(exc)))
     if args.save:
         with open(args.save, "w") as f:
             f.write(text)

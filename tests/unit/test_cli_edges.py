@@ -104,3 +104,19 @@ def test_no_mpi_library_is_one_line_naming_the_fix(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env=env, cwd=tmp_path)
     assert res.stdout.strip() == "MPILibraryError True", res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["pack"], "hpcddp pack: the following arguments are required: source, out"),
+    (["submit", "nosuch", "train.py"], "hpcddp submit: argument TEMPLATE: invalid choice"),
+    (["submit", "cpu-mpi", "--script", "train.py"], "hpcddp submit: unknown option(s) --script"),
+    (["submit", "cpu-mpi", "--time", "xx", "train.py"], "hpcddp submit: time must be a Slurm"),
+    (["nosuch"], "hpcddp: argument COMMAND: invalid choice"),
+])
+def test_usage_errors_are_one_line(capsys, argv, says):
+    try:
+        status = main(argv)
+    except SystemExit as exc:
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith(says) and err.count("\n") == 1, err
