@@ -34,8 +34,10 @@ class BuildWithMPICC(build_ext):
     def build_extensions(self):
         mpicc = find_mpicc()
         if mpicc is None:
-            print("hpcddp: no MPI C compiler ($MPICC, mpicc): the C plan hits are not "
-                  "built; hpcddp runs its Python path", file=sys.stderr)
+            print("hpcddp: no MPI C compiler ($MPICC, mpicc): the C module is not built; "
+                  "hpcddp runs its Python path (slower repeat calls). Build it once an MPI is "
+                  "there: MPICC=$(which mpicc) pip install --force-reinstall --no-deps hpcddp "
+                  "(`hpcddp info` says which path runs; docs/install.md)", file=sys.stderr)
             return
         # mpicc adds MPI's include and link flags to the compiler Python was built with
         for name in ("compiler_so", "linker_so"):
