@@ -49,8 +49,6 @@ FIELDS = (("RANK", "rank"), ("WORLD_SIZE", "size"), ("LOCAL_RANK", "local_rank")
 NAMES = tuple(name for name, _ in FIELDS)
 #: Where hpcddp records what it set, and for which process (detect() does not read those).
 MARKER = "HPCDDP_TORCH_VARS_SET"
-#: The switch (1 by default).
-SWITCH = "HPCDDP_TORCH_VARS"
 #: One variable of each MPI launcher or wire-up protocol: the .pth's cheap test. Any one set
 #: means detect() may find a launcher; none set means it cannot (torchrun is not an MPI one).
 LAUNCHER_MARKERS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID",
