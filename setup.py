@@ -1,6 +1,8 @@
-"""Build hpcddp's one C module, the plan hits (hpcddp/collectives/_fastpath.c).
+"""Build hpcddp's one C module, the plan hits (hpcddp/collectives/_fastpath.c), and put
+hpcddp-torchrun-env.pth beside the package (torchrun's variables under MPI launchers at
+interpreter start: hpcddp/launch/torchrun_env.py).
 
-Everything else is declared in setup.cfg. The module is optional: it is compiled and linked
+Everything else is declared in pyproject.toml ([project], PEP 621). The module is optional: it is compiled and linked
 with the MPI compiler wrapper ($MPICC, else the mpicc next to this Python, else mpicc on
 PATH), which must be the MPI that mpi4py runs on (on a cluster: the module-loaded MPI, as for
 mpi4py itself). Without one, or if the build fails, hpcddp installs as pure Python and
@@ -12,6 +14,11 @@ import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+
+#: A .pth file in site-packages: Python runs its `import` line at every interpreter start.
+PTH = "hpcddp-torchrun-env.pth"
+PTH_LINE = "import _hpcddp_torchrun_env\n"
 
 
 def find_mpicc():
@@ -27,8 +34,10 @@ class BuildWithMPICC(build_ext):
     def build_extensions(self):
         mpicc = find_mpicc()
         if mpicc is None:
-            print("hpcddp: no MPI C compiler ($MPICC, mpicc): the C plan hits are not "
-                  "built; hpcddp runs its Python path", file=sys.stderr)
+            print("hpcddp: no MPI C compiler ($MPICC, mpicc): the C module is not built; "
+                  "hpcddp runs its Python path (slower repeat calls). Build it once an MPI is "
+                  "there: MPICC=$(which mpicc) pip install --force-reinstall --no-deps hpcddp "
+                  "(`hpcddp info` says which path runs; docs/install.md)", file=sys.stderr)
             return
         # mpicc adds MPI's include and link flags to the compiler Python was built with
         for name in ("compiler_so", "linker_so"):
@@ -37,8 +46,26 @@ class BuildWithMPICC(build_ext):
         super().build_extensions()
 
 
+class BuildPyWithPth(build_py):
+    """build_py, plus the .pth at the top of the wheel (site-packages), editable installs too."""
+
+    def run(self):
+        super().run()
+        where = self.build_lib
+        if getattr(self, "editable_mode", False):
+            # an editable wheel takes only package files from build_lib; what goes straight
+            # into site-packages is written to the unpacked wheel (setuptools' install_lib)
+            where = self.distribution.get_command_obj("install").install_lib or where
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, PTH), "w") as f:
+            f.write(PTH_LINE)
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+
+
 setup(
     ext_modules=[Extension("hpcddp.collectives._fastpath", ["hpcddp/collectives/_fastpath.c"],
                            optional=True)],
-    cmdclass={"build_ext": BuildWithMPICC},
+    cmdclass={"build_ext": BuildWithMPICC, "build_py": BuildPyWithPth},
 )

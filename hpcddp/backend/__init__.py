@@ -1,7 +1,7 @@
 """hpcddp as a torch.distributed backend: registration, MPI-bootstrapped store, groups.
 
 Importing hpcddp registers the backend "hpcddp" (once) without starting MPI. Then, under
-mpirun/srun, with nothing else set::
+mpirun/srun, or alone (``python train.py``: a world of one), with nothing else set::
 
     import hpcddp, torch.distributed as dist
     dist.init_process_group("hpcddp")          # or hpcddp.init_process_group()
@@ -142,16 +142,35 @@ def _wrap_env_rendezvous() -> None:
         # before torch's handler too: a WORLD_SIZE contradicting mpirun's would otherwise have
         # rank 0's TCPStore wait for ranks that never come (torch's timeout, 30 min)
         launch = detect()
-        if "MASTER_ADDR" in os.environ or launch is None or launch.launcher == "torchrun":
+        if launch is None and not _torch_env_given(url):
+            # `python train.py` alone: no launcher and none of torch's variables, which torch
+            # would refuse ("RANK expected"); MPI starts as a singleton, a world of one
+            pass
+        elif "MASTER_ADDR" in os.environ or launch is None or launch.launcher == "torchrun":
             yield from original(url, timeout=timeout, **kwargs)
             return
         from hpcddp.comm import startup as rt
         world = rt.world()
+        _fill_torch_vars(rt.runtime())
         store = bootstrap_store(timeout)
         yield (store, world.rank, world.size)
 
     env_or_mpi._hpcddp = True
+
+    def _torch_env_given(url) -> bool:
+        # what torch's env:// handler reads (the url's ?rank=&world_size= too)
+        return any(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK",
+                                             "WORLD_SIZE")) or "rank=" in str(url)
     rdzv._rendezvous_handlers["env"] = env_or_mpi
+
+
+def _fill_torch_vars(rtm) -> None:
+    """torchrun's variables that only MPI knows (Open MPI's GROUP_RANK): set once MPI started.
+    The launcher's own were set at interpreter start (hpcddp/launch/torchrun_env.py)."""
+    from hpcddp.launch.torchrun_env import export_after_start
+    topo = rtm.topology
+    export_after_start(rtm.launch, rtm.world.rank, rtm.world.size, topo.local_rank,
+                       topo.local_size, topo.node, topo.num_nodes)
 
 
 def init_process_group(backend: str | None = None, *, timeout: timedelta | None = None,
@@ -165,6 +184,7 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta | None 
     """
     from hpcddp.comm import output as log, startup as rt
     rtm = rt.init()
+    _fill_torch_vars(rtm)
     register()
     if backend is None:
         backend = BACKEND_NAME
@@ -175,7 +195,11 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta | None 
             if rtm.world.rank == 0:
                 log.log(f"init_process_group: device='cuda' -> backend {backend!r}")
     if dist.is_initialized():
-        return dist.group.WORLD
+        # torch's own words and type: a second init is a bug, never a silent no-op that
+        # hands back a group of another backend than the one asked for
+        raise ValueError(f"init_process_group: trying to initialize the default process group "
+                         f"twice! (it is initialised with backend "
+                         f"{dist.get_backend()!r}; call dist.destroy_process_group() first)")
     kw = dict(kwargs)
     if "store" not in kw and "init_method" not in kw:
         kw["store"] = bootstrap_store(timeout or timedelta(minutes=10))

@@ -23,12 +23,22 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, refusing in one line (which argument, what is wrong, where the help is)
+    instead of the whole usage block above a job's log; exit status 2 as argparse's."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hpcddp",
         description="MPI-backed HPC training toolkit for PyTorch. Run a subcommand under "
         "mpirun/srun for a parallel job, e.g. `mpirun -n 4 hpcddp info`.",
     )
+    from hpcddp._version import __version__    # not hpcddp's __init__: that imports torch
+    parser.add_argument("--version", action="version", version=f"hpcddp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         try:
@@ -50,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    from hpcddp.launch.mpilib import MPILibraryError
+    try:
+        return int(args._run(args) or 0)
+    except MPILibraryError as exc:   # a fix to print, not a traceback
+        print(f"hpcddp {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

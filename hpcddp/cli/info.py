@@ -7,7 +7,7 @@ import importlib
 import platform
 
 DESCRIPTION = """\
-Show the MPI library and version, thread level, launcher, the rank / local rank / node / host
+Show hpcddp's version, whether its C module is built (and how to build it), the MPI library and version, thread level, launcher, the rank / local rank / node / host
 layout, torch and CUDA, CUDA-aware MPI status, h5py/lmdb versions, and which path each
 collective takes on the world group (in the order tried; open or closed, and why). Run it the way you run
 your training job, e.g.:
@@ -69,7 +69,10 @@ def collect_info() -> dict | None:
     launch = rt.launch
     cuda = torch.cuda.is_available()
     from hpcddp.collectives import _plans
+    import hpcddp
     return {
+        "hpcddp": hpcddp.__version__,
+        "c_module": _c_module_state(_plans),
         "world_size": world.size,
         "nodes": topo.num_nodes,
         "ranks_per_node_emulated": topo.emulated,
@@ -94,10 +97,28 @@ def collect_info() -> dict | None:
     }
 
 
+#: How to build the C module after the fact (docs/install.md, "The C module").
+BUILD_C = ("MPICC=$(which mpicc) pip install --force-reinstall --no-deps hpcddp "
+           "(from a checkout: pip install --no-deps -e .)")
+
+
+def _c_module_state(plans) -> str:
+    """"built", or one plain sentence: why the C module does not run here and how to fix it."""
+    if plans.KIND == "C":
+        return "built"
+    why = plans.WHY_PYTHON
+    if why.startswith("not built"):
+        return (f"missing: hpcddp was installed without an MPI C compiler, so the repeat "
+                f"calls take the slower Python path (everything works). Build it with an "
+                f"MPI compiler present: {BUILD_C}")
+    return f"not used: {why}"
+
+
 def format_info(info: dict) -> str:
     m = info["mpi"]
     emu = " (emulated: HPCDDP_RANKS_PER_NODE)" if info["ranks_per_node_emulated"] else ""
     lines = [
+        f"hpcddp     {info['hpcddp']}; C module {info['c_module']}",
         f"hpcddp job: {info['world_size']} ranks on {info['nodes']} node(s){emu}, "
         f"launcher {info['launcher']}",
         f"MPI        {m['library']}: {m['version']}",

@@ -1,5 +1,6 @@
 """`hpcddp pack`: files or a .npy array -> a sharded LMDB or HDF5 data set."""
 import argparse
+import os
 
 DESCRIPTION = """\
 Pack a folder tree of files (key = relative path; --labels parent for ImageFolder-style class
@@ -53,42 +54,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write a summary (samples, shards, bytes, seconds) as JSON; - is stdout")
 
 
+def _load(args):
+    """(samples, labels) from a .npy/.npz SOURCE, or the refusal's text (a str)."""
+    import numpy as np
+    source = args.source
+    kind = os.path.splitext(source)[1].lower()
+    if kind not in (".npy", ".npz"):
+        return (f"SOURCE {source!r} is a file that is not .npy or .npz; give a folder of files "
+                f"(one sample each), or a .npy/.npz array (one sample per row)")
+    if args.labels == "parent":
+        return "--labels parent labels the files of a folder; SOURCE is an array file"
+    if kind == ".npy" and (args.array or args.label_array):
+        return (f"--array/--label-array name arrays of a .npz file; {source!r} is a .npy "
+                f"file (one array)")
+    try:
+        if kind == ".npy":
+            return np.load(source, mmap_mode="r", allow_pickle=False), None
+        with np.load(source, allow_pickle=False) as z:
+            names = list(z.files)
+            for option, name in (("--array", args.array or (names[0] if names else None)),
+                                 ("--label-array", args.label_array)):
+                if name is not None and name not in names:
+                    return f"{source} has no array {name!r} ({option}); it has {names}"
+            if not names:
+                return f"{source} holds no arrays"
+            data = z[args.array or names[0]]
+            labels = z[args.label_array].tolist() if args.label_array else None
+            return data, labels
+    except (ValueError, OSError, EOFError) as exc:
+        return f"cannot read {source!r} as a {kind} array: {exc}"
+
+
 def run(args) -> int:
     import json
-    import os
     import sys
 
-    from hpcddp.data.packing import pack
+    from hpcddp.cli._errors import refuse
     source, labels = args.source, None
-    if os.path.isfile(source):
-        import numpy as np
-        if source.endswith(".npz"):
-            with np.load(source, allow_pickle=False) as z:
-                names = list(z.files)
-                name = args.array or names[0]
-                if name not in names:
-                    print(f"hpcddp pack: {source} has no array {name!r} (it has {names})",
-                          file=sys.stderr)
-                    return 2
-                data = z[name]
-                if args.label_array:
-                    labels = z[args.label_array].tolist()
-        else:
-            data = np.load(source, mmap_mode="r", allow_pickle=False)
-        source = data
+    if not os.path.exists(source):
+        return refuse("pack", f"SOURCE {source!r} does not exist")
+    if os.path.isdir(source):
+        if args.array or args.label_array:
+            return refuse("pack", "--array/--label-array are for .npz sources; a folder's "
+                                  "labels come from --labels parent")
+        if not any(files for _, _, files in os.walk(source)):
+            return refuse("pack", f"SOURCE {source!r} holds no files: nothing to pack")
+    else:
+        loaded = _load(args)
+        if isinstance(loaded, str):
+            return refuse("pack", loaded)
+        source, labels = loaded
+    from hpcddp.data.packing import pack
     try:
         m = pack(source, args.out, format=args.format, shard_bytes=args.shard_size,
                  labels=labels, label_from_parent=args.labels == "parent",
                  encoding=args.encoding, overwrite=args.overwrite,
                  progress=not args.no_progress)
     except (ValueError, TypeError, FileExistsError, FileNotFoundError) as exc:
-        print(f"hpcddp pack: {exc}", file=sys.stderr)
-        return 2
+        return refuse("pack", exc)
     summary = {"out": os.path.abspath(args.out), "format": m.storage, "encoding": m.encoding,
                "num_samples": m.num_samples, "num_shards": len(m.shards),
                "bytes": m.total_bytes, "seconds": round(getattr(m, "pack_seconds", 0.0), 3)}
+    # the one line a log gets; with --json - stdout is the JSON alone, so it goes to stderr
     print(f"packed {m.num_samples} samples into {len(m.shards)} {m.storage} shard(s), "
-          f"{m.total_bytes / 1e6:.1f} MB, in {summary['seconds']:.2f} s: {summary['out']}")
+          f"{m.total_bytes / 1e6:.1f} MB, in {summary['seconds']:.2f} s: {summary['out']}",
+          file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
     if args.json:
         text = json.dumps(summary, indent=2)
         if args.json == "-":

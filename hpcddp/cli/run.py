@@ -19,8 +19,9 @@ uncaught exception (the launcher reports the abort). hpcddp.finalize() runs at t
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-m", dest="module", metavar="MODULE",
-                        help="run a module as a script, like python -m MODULE")
+    # like python's -m: MODULE and everything after it (its own options too) go to the module
+    parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE ARGS",
+                        help="run a module as a script, like python -m MODULE [ARGS]")
     parser.add_argument("--no-abort", action="store_true",
                         help="do not abort the job on an exception (debugging: the other ranks "
                              "may then wait until the launcher's timeout)")
@@ -33,9 +34,14 @@ def run(args) -> int:
     import os
     import sys
 
-    if args.module and args.script:
-        args.args = [args.script] + list(args.args)
-        args.script = None
+    if args.module is not None:
+        if not args.module:
+            print("hpcddp run: -m needs a MODULE (hpcddp run -m MODULE [ARGS])", file=sys.stderr)
+            return 2
+        args.module, args.args = args.module[0], list(args.module[1:])
+        if args.script:   # `hpcddp run SCRIPT -m X` is not a thing: say so, do not guess
+            print("hpcddp run: give a SCRIPT or -m MODULE, not both", file=sys.stderr)
+            return 2
     if not args.module and not args.script:
         print("hpcddp run: give a SCRIPT to run (or -m MODULE); see `hpcddp run --help`",
               file=sys.stderr)

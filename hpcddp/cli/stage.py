@@ -55,19 +55,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import sys
 
+    import os
+
+    from hpcddp.cli._errors import one_prefix, refuse
+    from hpcddp.launch import detect
+    if not os.path.isfile(os.path.join(args.source, "manifest.json")):
+        # refused before MPI starts: every rank exits 2, the launcher's rank 0 says why
+        launched = detect()
+        rank = launched.rank if launched is not None else 0
+        if rank != 0:
+            return 2
+        what = "does not exist" if not os.path.exists(args.source) else \
+            "is not a packed data set (no manifest.json)"
+        return refuse("stage", f"SOURCE {args.source!r} {what}; make one with `hpcddp pack`",
+                      prefix="[rank0] ")
     from hpcddp.comm import init, log, world
     from hpcddp.data.staging import StageError, stage, write_json
     init()
     rank = world().rank
     try:
+        # bars only on a terminal: in a job's log, the summary lines say what each phase did
         result = stage(args.source, args.dest, mode=args.mode, group_nodes=args.group_nodes,
                        strategy=args.strategy, chunk_bytes=args.chunk_size, verify=args.verify,
-                       fsync=args.fsync, progress=not args.no_progress,
+                       fsync=args.fsync, progress=not args.no_progress and sys.stderr.isatty(),
                        lock_wait=args.lock_wait)
     except (StageError, ValueError) as exc:
         if rank == 0:
-            log(f"hpcddp stage: {exc}")
-        return 1
+            log(f"hpcddp stage: {one_prefix('stage', str(exc))}")
+        return 2 if isinstance(exc, ValueError) else 1
     if rank == 0:
         if not args.quiet:
             for line in result.summary().splitlines():

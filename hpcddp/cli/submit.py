@@ -37,6 +37,8 @@ FLAGS = {
     "--mpi": ("mpi", str, "srun --mpi plugin: pmix (default) or pmi2"),
     "--signal-lead": ("signal_lead", int, "seconds before the time limit to checkpoint "
                                           "and requeue (default 120)"),
+    "--max-requeues": ("max_requeues", int, "times the job requeues itself at its time limit "
+                                            "(default 3; 0: never)"),
     "--elastic": ("elastic", "bool", "survive a lost rank: the script uses hpcddp.elastic and "
                                      "runs under mpirun --with-ft ulfm (docs/elastic.md)"),
     "--stage-src": ("stage_src", str, "stage-then-train: data set on the shared filesystem"),
@@ -109,8 +111,11 @@ def run(args) -> int:
     try:
         text = render(args.template, **options_from_args(args))
     except TemplateError as exc:
-        print(f"hpcddp submit: {exc}", file=sys.stderr)
-        return 2
+        import re
+
+        from hpcddp.cli._errors import refuse
+        # the library names its function ("render('cpu-mpi'): ..."); here the command says it
+        return refuse("submit", re.sub(r"^render\('[^']*'\): ", "", str(exc)))
     if args.save:
         with open(args.save, "w") as f:
             f.write(text)

@@ -19,6 +19,12 @@ STARTED_HERE = "mpi4py.MPI" not in sys.modules
 if STARTED_HERE:
     mpi4py.rc.thread_level = settings.get().thread_level
 
-from mpi4py import MPI  # noqa: E402
+try:
+    from mpi4py import MPI  # noqa: E402
+except RuntimeError as _exc:
+    # mpi4py's "cannot load MPI library" names no fix: say which one (hpcddp.launch.mpilib)
+    from hpcddp.launch.mpilib import raise_no_mpi
+    raise_no_mpi(_exc)
+    raise
 
 __all__ = ["MPI", "STARTED_HERE"]

@@ -275,7 +275,7 @@ def pack(source, out: str, *, format: str = "lmdb", shard_bytes: int = DEFAULT_S
             sorted list of parent folders (ImageFolder-style; names kept as ``classes``).
         encoding: ``"bytes"``, ``"array"`` (one dtype and shape) or ``"npy"`` (arrays that
             vary); default: from the first value.
-        progress: show a tqdm bar (stderr).
+        progress: show a tqdm bar (on stderr, and only when stderr is a terminal).
 
     Called by one process; needs no MPI.
     """
@@ -284,20 +284,37 @@ def pack(source, out: str, *, format: str = "lmdb", shard_bytes: int = DEFAULT_S
     if not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise ValueError(f"pack: shard_bytes={shard_bytes!r}, expected a positive int (bytes)")
     out = os.fspath(out)
+    # a source that cannot be read fails here, before OUT is created or cleared
+    src = _normalise(source, labels, label_from_parent)
+    enc = _Encoder(encoding or src.encoding)
+    if enc.encoding == "array" and src.dtype is not None:
+        enc.dtype, enc.shape = src.dtype, src.shape
     if os.path.isdir(out) and os.listdir(out):
         if not overwrite:
             raise FileExistsError(f"pack: output directory {out!r} is not empty; choose a new "
                                   f"path or pass overwrite=True (--overwrite)")
         _clear_dataset_dir(out)
+    created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
-    src = _normalise(source, labels, label_from_parent)
-    enc = _Encoder(encoding or src.encoding)
-    if enc.encoding == "array" and src.dtype is not None:
-        enc.dtype, enc.shape = src.dtype, src.shape
+    try:
+        return _write(src, enc, out, format, shard_bytes, progress)
+    except BaseException:
+        if created:   # a failed pack leaves nothing behind: no half data set, no empty folder
+            import shutil
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _write(src: _Source, enc: _Encoder, out: str, format: str, shard_bytes: int,
+           progress: bool) -> mf.Manifest:
+    """Write the shards and then the manifest of ``pack`` into the existing folder OUT."""
+    import sys
 
     from tqdm import tqdm
+    # a bar only on a terminal: redirected to a log (a Slurm job's), its \r updates would
+    # fill it; the caller prints one line when the pack is done
     bar = tqdm(total=src.total, unit="sample", desc=f"pack {os.path.basename(out) or out}",
-               disable=not progress, mininterval=0.5)
+               disable=not (progress and sys.stderr.isatty()), mininterval=0.5)
     keys: list[str] = []
     seen: set[str] = set()
     all_labels: list = []

@@ -17,7 +17,6 @@ Needs numpy, pillow and scikit-learn; no MPI, no torch.
 """
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -29,30 +28,16 @@ MARKER = "SPLIT.json"
 SPLITS = ("train", "test")
 
 
-def _digits_csv() -> str | None:
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None or not spec.origin:
-        return None
-    path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz")
-    return path if os.path.exists(path) else None
-
-
 def load_arrays():
-    """(images uint8 [N, 8, 8] scaled to 0..255, labels int64 [N]) from scikit-learn."""
-    path = _digits_csv()
-    if path is not None:
-        # the file load_digits reads, read directly: importing sklearn.datasets pulls in scipy
-        # and costs seconds on a busy machine; the arrays are the same (tests/test_demo.py)
-        raw = np.loadtxt(path, delimiter=",")
-        pixels, target = raw[:, :-1].reshape(-1, 8, 8), raw[:, -1]
-    else:
-        try:
-            from sklearn.datasets import load_digits
-        except ImportError:
-            raise ImportError("load_arrays: the demo's data set ships with scikit-learn; "
-                              "install it with `pip install scikit-learn`") from None
-        d = load_digits()
-        pixels, target = d.images, d.target
+    """(images uint8 [N, 8, 8] scaled to 0..255, labels int64 [N]) from scikit-learn's public
+    loader, ``sklearn.datasets.load_digits`` (its data file ships inside scikit-learn)."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ImportError("load_arrays: the demo's data set ships with scikit-learn; install "
+                          "it with `pip install 'hpcddp[demo]'` (or scikit-learn)") from None
+    d = load_digits()
+    pixels, target = d.images, d.target
     # 0..16 -> 0..255 (rounded): the PNGs look like images; the model divides by 255
     images = np.rint(pixels * (255.0 / 16.0)).astype(np.uint8)
     return images, target.astype(np.int64)

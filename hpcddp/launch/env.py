@@ -501,6 +501,17 @@ def _info(reading: _Reading, others: list, env: Mapping[str, str],
         stray=strays)
 
 
+#: Where hpcddp.launch.torchrun_env lists the torchrun variables it set ("NAMES@identity").
+TORCH_VARS_MARKER = "HPCDDP_TORCH_VARS_SET"
+
+
+def _set_by_hpcddp(env: Mapping[str, str]) -> set:
+    text = str(env.get(TORCH_VARS_MARKER, ""))
+    if not text:
+        return set()
+    return set(text.partition("@")[0].split(",")) & set(TORCH_ENV.variables)
+
+
 def detect(env: Mapping[str, str] | None = None) -> Optional[LaunchInfo]:
     """Which launcher started this process, and where the process sits in the job.
 
@@ -511,10 +522,14 @@ def detect(env: Mapping[str, str] | None = None) -> Optional[LaunchInfo]:
     rank without a rank), malformed (not an integer, negative), contradictory (rank >= size),
     or when two launchers that describe the same processes disagree. torch's ``env://``
     variables beside an MPI launcher may be partial but must not contradict it
-    (``LaunchInfo.stray``). The module docstring gives the precedence rules;
-    ``HPCDDP_LAUNCHER`` overrides them.
+    (``LaunchInfo.stray``); those hpcddp set itself (listed in ``HPCDDP_TORCH_VARS_SET``:
+    :mod:`hpcddp.launch.torchrun_env`) are not read. The module docstring gives the
+    precedence rules; ``HPCDDP_LAUNCHER`` overrides them.
     """
     env = os.environ if env is None else env
+    ours = _set_by_hpcddp(env)
+    if ours:   # torchrun's variables hpcddp set (torchrun_env.py) are not the user's strays
+        env = {k: v for k, v in env.items() if k not in ours}
     forced = (settings.get() if env is os.environ else settings.read(env)).launcher.lower()
     if forced:
         if forced == "none":

@@ -60,6 +60,8 @@ OPTIONS: dict[str, Option] = {
                           "family); see the comments in the script", "pmix"),
     "signal_lead": Option("int", "seconds before the time limit that Slurm sends USR1 "
                                  "(checkpoint, then requeue)", 120),
+    "max_requeues": Option("int0", "times the time-limit trap requeues the job, counted by "
+                                   "SLURM_RESTART_COUNT (0: never; it checkpoints and ends)", 3),
     "elastic": Option("bool", "survive a lost rank (hpcddp.elastic, ULFM): the training step "
                               "runs under `mpirun --with-ft ulfm` in the allocation, since "
                               "Slurm ends an srun step when one of its tasks dies", False),
@@ -75,7 +77,8 @@ OPTIONS: dict[str, Option] = {
 }
 
 COMMON = ("job_name", "nodes", "tasks_per_node", "gpus", "cpus_per_task", "time", "partition",
-          "account", "output", "script", "args", "setup", "mpi", "signal_lead", "elastic")
+          "account", "output", "script", "args", "setup", "mpi", "signal_lead", "max_requeues",
+          "elastic")
 
 
 @dataclass(frozen=True)
@@ -285,7 +288,12 @@ def _settings(t: Template, v: dict) -> str:
         "",
         "# The script every rank runs, and its arguments (a bash array: one word per item).",
         f"SCRIPT={shlex.quote(v['script'])}",
-        "ARGS=(" + " ".join(shlex.quote(a) for a in v["args"]) + ")"]
+        "ARGS=(" + " ".join(shlex.quote(a) for a in v["args"]) + ")",
+        "",
+        "# At the time limit the job checkpoints and requeues itself, at most this many times",
+        "# (SLURM_RESTART_COUNT, preemptions included): a script that never checkpoints would",
+        "# otherwise start over forever. 0: checkpoint and end at the limit.",
+        f"MAX_REQUEUES={v['max_requeues']}"]
     if t.name == "stage-then-train":
         lines += ["# The data set on the shared filesystem, and where each node's copy goes.",
                   f"STAGE_SRC={_dq(v['stage_src'])}",
@@ -308,7 +316,7 @@ _HEADER = """\
 @ABOUT@
 #
 # Submit:  sbatch @FILENAME@
-#    or:   hpcddp submit @NAME@ --script train.py --time 2:00:00 ...   (renders this file)
+#    or:   hpcddp submit @NAME@ --time 2:00:00 train.py --epochs 10   (renders this file)
 # Guide:   docs/jobs.md. Edit the directives and the settings block; the rest rarely changes.
 #
 # ---- Slurm directives ----------------------------------------------------------------------
@@ -365,11 +373,23 @@ echo "[job] scratch $SCRATCH, checkpoints $CKPT_DIR"
 # to the ranks (srun relays signals to every task), let them checkpoint and exit, then requeue.
 # A preemption or `scontrol requeue` instead sends TERM to every rank directly, KillWait seconds
 # (often 30) before KILL: the same checkpoint code handles it (hpcddp.parallel.checkpoint).
+# At most MAX_REQUEUES times (settings): then the job checkpoints and ends with status 1.
 requeue() {
-    echo "[job] $(date +%T) USR1: checkpointing, then requeueing job ${SLURM_JOB_ID}"
+    local restarts=${SLURM_RESTART_COUNT:-0}
+    if [ "$restarts" -lt "$MAX_REQUEUES" ]; then
+        echo "[job] $(date +%T) USR1: checkpointing, then requeueing job ${SLURM_JOB_ID}" \
+             "(requeue $((restarts + 1)) of at most $MAX_REQUEUES)"
+    else
+        echo "[job] $(date +%T) USR1: checkpointing; not requeueing job ${SLURM_JOB_ID}: it ran" \
+             "again $restarts time(s), MAX_REQUEUES=$MAX_REQUEUES. Resubmit it to go on from its" \
+             "last checkpoint, or raise MAX_REQUEUES"
+    fi
     if [ -n "${STEP_PID:-}" ]; then kill -USR1 "$STEP_PID" 2>/dev/null || true; wait "$STEP_PID" || true; fi
-    scontrol requeue "$SLURM_JOB_ID"
-    exit 0
+    if [ "$restarts" -lt "$MAX_REQUEUES" ]; then
+        scontrol requeue "$SLURM_JOB_ID"
+        exit 0
+    fi
+    exit 1
 }
 trap requeue USR1
 # Run a step in the background and wait for it: bash runs a trap only between commands, and

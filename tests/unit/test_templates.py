@@ -364,3 +364,32 @@ def test_submit_elastic_flag(tmp_path, hpcddp):
     res = hpcddp("submit", "multi-node-ddp", "--elastic", "--dry-run", "train.py")
     assert res.returncode == 0, res.stderr
     assert "mpirun --with-ft ulfm" in res.stdout and "hpcddp run" not in res.stdout
+
+
+@pytest.mark.parametrize("restarts, requeued", [(0, True), (2, True), (3, False), (7, False)])
+def test_the_time_limit_trap_requeues_at_most_max_requeues_times(tmp_path, restarts, requeued):
+    """The trap's function, run in bash with a fake scontrol: requeues while
+    SLURM_RESTART_COUNT < MAX_REQUEUES, then checkpoints and ends with status 1."""
+    text = render("single-node-ddp", script="train.py")
+    assert "MAX_REQUEUES=3" in text
+    start = text.index("requeue() {")
+    function = text[start:text.index("\n}\n", start) + 3]
+    (tmp_path / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    script = f"MAX_REQUEUES=3\n{function}\nrequeue\n"
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                         env={"PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_JOB_ID": "42",
+                              "SLURM_RESTART_COUNT": str(restarts)})
+    calls = (tmp_path / "calls").read_text() if (tmp_path / "calls").exists() else ""
+    if requeued:
+        assert res.returncode == 0 and calls == "requeue 42\n", res.stdout + res.stderr
+        assert f"(requeue {restarts + 1} of at most 3)" in res.stdout
+    else:
+        assert res.returncode == 1 and calls == "", res.stdout + res.stderr
+        assert "not requeueing job 42" in res.stdout and "MAX_REQUEUES=3" in res.stdout
+
+
+def test_max_requeues_is_an_option():
+    assert "MAX_REQUEUES=0" in render("cpu-mpi", script="x.py", max_requeues=0)
+    with pytest.raises(TemplateError):
+        render("cpu-mpi", script="x.py", max_requeues=-1)
