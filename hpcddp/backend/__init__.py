@@ -150,8 +150,7 @@ def _wrap_env_rendezvous() -> None:
             yield from original(url, timeout=timeout, **kwargs)
             return
         from hpcddp.comm import startup as rt
-        world = rt.world()
-        _fill_torch_vars(rt.runtime())
+        world = rt.world()      # start-up also fills torchrun's variables MPI knows
         store = bootstrap_store(timeout)
         yield (store, world.rank, world.size)
 
@@ -162,15 +161,6 @@ def _wrap_env_rendezvous() -> None:
         return any(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK",
                                              "WORLD_SIZE")) or "rank=" in str(url)
     rdzv._rendezvous_handlers["env"] = env_or_mpi
-
-
-def _fill_torch_vars(rtm) -> None:
-    """torchrun's variables that only MPI knows (Open MPI's GROUP_RANK): set once MPI started.
-    The launcher's own were set at interpreter start (hpcddp/launch/torchrun_env.py)."""
-    from hpcddp.launch.torchrun_env import export_after_start
-    topo = rtm.topology
-    export_after_start(rtm.launch, rtm.world.rank, rtm.world.size, topo.local_rank,
-                       topo.local_size, topo.node, topo.num_nodes)
 
 
 def init_process_group(backend: str | None = None, *, timeout: timedelta | None = None,
@@ -184,7 +174,6 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta | None 
     """
     from hpcddp.comm import output as log, startup as rt
     rtm = rt.init()
-    _fill_torch_vars(rtm)
     register()
     if backend is None:
         backend = BACKEND_NAME

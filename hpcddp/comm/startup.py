@@ -23,6 +23,7 @@ from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import Communicator
 from hpcddp.comm.topology import Topology, build_topology, emulated_ranks_per_node
 from hpcddp.launch import process
+from hpcddp.launch.torchrun_env import export_after_start
 
 THREAD_LEVELS = {
     "single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED,
@@ -120,6 +121,9 @@ def _start(thread_level: str) -> Runtime:
     rpn = emulated_ranks_per_node()
     key = launch.local_rank if launch is not None and launch.local_rank is not None else None
     topo = build_topology(world, rpn, key)
+    # torchrun's variables (RANK, LOCAL_RANK, GROUP_RANK...) with what only MPI knows
+    export_after_start(launch, world.rank, world.size, topo.local_rank, topo.local_size,
+                       topo.node, topo.num_nodes)
     if rpn:
         source = "emulated"
     else:

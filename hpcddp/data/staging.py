@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 from hpcddp.data import manifest as mf
@@ -143,7 +144,8 @@ def _copy(job: Job, plan: Plan, chunk: int, fsync: bool, progress: bool) -> Copy
     travel (replicate, groups of several nodes), else straight from the source."""
     topo, m = job.topo, plan.manifest
     bar = None
-    if progress and (topo.is_leader or job.every and topo.local_rank == 0):
+    # a bar only on a terminal: in a batch log each \r update would be one more line
+    if progress and sys.stderr.isatty() and (topo.is_leader or job.every and topo.local_rank == 0):
         from tqdm import tqdm
         bar = tqdm(total=sum(m.shards[s].bytes for s in plan.todo), unit="B", unit_scale=True,
                    mininterval=1.0, desc=f"[rank{job.rank}] stage node{topo.node}", leave=False)
