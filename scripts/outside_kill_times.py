@@ -77,6 +77,10 @@ def run_case(mode, phase, nprocs, target, workers, what, rpn) -> dict:
             "left_behind": len(left)}
 
 
+def _range(key: str) -> str:
+    return key.removesuffix("_s") + "_range_s"
+
+
 def table(rows) -> str:
     """The Markdown table docs/hangs.md quotes (tests/test_outside_kill.py checks it)."""
     out = ["| mode | phase | killed | kill -> job end, s | kill -> first step after recovery, s "
@@ -85,7 +89,7 @@ def table(rows) -> str:
         phase = r["phase"] + (f" ({r['path']})" if r["path"] else "")
         cells = []
         for key in ("kill_to_end_s", "kill_to_first_step_s"):
-            lo_hi = r[key.replace("_s", "_range_s")]
+            lo_hi = r[_range(key)]
             cells.append("-" if r[key] is None else
                          f"{r[key]:.2f} ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})")
         out.append(f"| {r['mode']} | {phase} | {r['killed']} | {cells[0]} | {cells[1]} | "
@@ -105,7 +109,7 @@ def main() -> int:
         for key in ("kill_to_end_s", "kill_to_first_step_s"):
             vals = [r[key] for r in runs if r[key] is not None]
             row[key] = statistics.median(vals) if vals else None
-            row[key.replace("_s", "_range_s")] = [min(vals), max(vals)] if vals else None
+            row[_range(key)] = [min(vals), max(vals)] if vals else None
         row["exits"] = sorted({r["exit"] for r in runs})
         row["left_behind"] = max(r["left_behind"] for r in runs)
         rows.append(row)

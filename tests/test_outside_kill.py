@@ -269,3 +269,17 @@ def test_exception_on_one_rank(tmp_path, mode):
     assert rc == 0 and "ending this rank as a lost rank" in out, out[-3000:]
     finals = [json.loads(p.read_text()) for p in tmp_path.glob("final.*.json")]
     assert len(finals) == 2 and all(f["lost"] == [1] for f in finals), out[-3000:]
+
+
+def test_docs_kill_times_are_the_committed_run():
+    """docs/hangs.md's table of kill-to-end times is scripts/outside_kill_times.py's table of
+    the committed run (docs/benchmarks/outside-kill.json), and that run left nothing behind."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("okt", ROOT / "scripts" / "outside_kill_times.py")
+    okt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(okt)
+    run = json.loads((ROOT / "docs" / "benchmarks" / "outside-kill.json").read_text())
+    assert len(run["rows"]) == len(okt.CASES)
+    assert all(r["left_behind"] == 0 for r in run["rows"])
+    assert all(0 not in r["exits"] for r in run["rows"] if r["mode"] == "plain")
+    assert okt.table(run["rows"]) in (ROOT / "docs" / "hangs.md").read_text()

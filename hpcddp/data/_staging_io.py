@@ -188,7 +188,8 @@ class Sink:
         if st.fd < 0:
             # no posix_fallocate: on tmpfs it zeroes every page that we then overwrite; free
             # space was checked for the whole copy before it started
-            st.fd = os.open(st.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            # O_NOFOLLOW: a symlink planted at the partial name is refused, never written through
+            st.fd = os.open(st.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         view = memoryview(slot.buf)[start:start + n]
         pos = off
         while view:
@@ -363,7 +364,7 @@ def _copy_file(sh: mf.Shard, path: str, sfd: int, partial: str, step: int, fsync
         if size != sh.bytes:
             err = (f"{sh.name}: the source shard {path} has {size} bytes, the manifest "
                    f"says {sh.bytes}: the source changed since packing")
-        dfd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        dfd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         try:
             off = 0
             use_sendfile = True

@@ -330,7 +330,10 @@ class Watchdog:
         self.reports += 1
         path = os.path.join(self.settings.report_dir, f"hpcddp-stall-{self.job}{suffix}.txt")
         try:
-            with open(path, "a") as f:
+            # O_NOFOLLOW: the report directory may be shared; a planted symlink is refused
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o644)
+            with os.fdopen(fd, "a") as f:
                 f.write(text + "\n")
             where = f"the report is also in {path}"
         except OSError as exc:
