@@ -40,8 +40,9 @@ def _env(**extra):
     return env
 
 
-def _train(tmp, nprocs, mode, phase, target, workers=1, **env):
-    return Job(nprocs, [sys.executable, SCRIPT, str(tmp), mode, phase, str(target), str(workers)],
+def _train(tmp, nprocs, mode, phase, target, workers=1, start="fork", **env):
+    return Job(nprocs, [sys.executable, SCRIPT, str(tmp), mode, phase, str(target), str(workers),
+                        start],
                outfile=tmp / "out.txt", timeout=WALL, env=_env(**env),
                fault_tolerant=mode == "elastic")
 
@@ -229,6 +230,18 @@ def test_pack_killed_leaves_no_partial_shard_under_its_name(tmp_path):
     assert len(finals) == 2, names
     for n in finals:
         assert (out_dir / n).read_bytes() == (ref / n).read_bytes(), n
+
+
+@pytest.mark.parametrize("mode,start", [("plain", "spawn"), ("elastic", "spawn"),
+                                        ("plain", "forkserver")])
+def test_spawned_workers_of_a_killed_rank_end(tmp_path, mode, start):
+    """Workers started by spawn or forkserver inherit none of the rank's hooks; torch's own
+    worker watchdog ends them (within its 5 s poll) once their rank is killed."""
+    job = _train(tmp_path, 3, mode, "forward", 1, 1, start)
+    _kill(job, 1, "forward", "rank")
+    rc, out, after_kill = _ended_cleanly(job)
+    assert (rc == 0) == (mode == "elastic"), out[-3000:]
+    assert after_kill <= JOB_TIMEOUT + 10, f"{after_kill:.1f} s"
 
 
 def test_demo_terminated_ends_its_job(tmp_path):

@@ -42,19 +42,25 @@ def _abort_with(exc_type, exc, tb) -> None:
         # torch.distributed's own excepthook calls this one with sys.stderr swapped for a
         # StringIO that it prints afterwards: after MPI_Abort there is no afterwards
         out = sys.__stderr__ if isinstance(sys.stderr, io.StringIO) else sys.stderr
-        leave = fault_tolerant_job() and not _end_whole_job
-        how = ("ending this rank as a lost rank (a fault-tolerant job: the others see it "
-               "fail)" if leave else
-               f"aborting the job (abort_on_exception; exit code {ABORT_EXIT_CODE})")
+        if not fault_tolerant_job():
+            how = f"aborting the job (abort_on_exception; exit code {ABORT_EXIT_CODE})"
+        elif _end_whole_job:
+            how = f"ending this rank, exit code {ABORT_EXIT_CODE} (every rank meets this error)"
+        else:
+            how = "ending this rank as a lost rank (a fault-tolerant job: the others see it fail)"
         _log.log(f"uncaught exception, {how}:\n{text}", file=out)
         time.sleep(OUTPUT_GRACE_S)
     finally:
         from hpcddp.comm._mpi import MPI
-        if fault_tolerant_job() and not _end_whole_job:
+        if fault_tolerant_job():
             # Open MPI 5.0 under --with-ft ulfm does not reliably pass an MPI_Abort on: seen,
             # the others waiting in an MPI_Allreduce send to the aborted rank and mpirun
-            # alive for minutes; a process that dies is always seen (ULFM's own failure
-            # path: in elastic mode the others recover, else their errors end them too)
+            # alive for minutes, or exiting 0. A process killed by a signal is always seen
+            # (ULFM's own failure path: in elastic mode the others recover, else their errors
+            # end them too), and one that exits non-zero makes mpirun's status non-zero (but is
+            # not seen by the others: only for errors every rank meets itself)
+            if _end_whole_job:
+                os._exit(ABORT_EXIT_CODE)
             os.kill(os.getpid(), signal.SIGKILL)
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.COMM_WORLD.Abort(ABORT_EXIT_CODE)
@@ -65,9 +71,9 @@ _end_whole_job = False
 
 
 def end_whole_job() -> None:
-    """Make the next abort end the whole job (MPI_Abort) even where ULFM is on: for errors every
-    rank meets alike (hpcddp.elastic: a rank lost outside state.step()), so that mpirun
-    exits non-zero instead of seeing every rank merely lost."""
+    """Make the next abort end this rank with exit code 1 where ULFM is on, not as a lost rank:
+    for errors every rank meets alike (hpcddp.elastic: a rank lost outside state.step()), so
+    that mpirun exits non-zero instead of seeing every rank merely lost."""
     global _end_whole_job
     _end_whole_job = True
 

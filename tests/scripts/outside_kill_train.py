@@ -1,7 +1,8 @@
 """A DDP job that a test kills from outside (tests/test_outside_kill.py).
 
-argv: OUTDIR MODE PHASE TARGET [WORKERS]
+argv: OUTDIR MODE PHASE TARGET [WORKERS [START]]
   MODE: plain (DDP, DistributedSampler) or elastic (hpcddp.elastic.State)
+  START: how DataLoader workers start: fork (default on Linux), spawn or forkserver
   PHASE: where TARGET (a rank) is when the test's SIGKILL arrives: data (inside a DataLoader
     worker's __getitem__), forward, backward (inside a gradient-bucket all-reduce), optimizer,
     eval, checkpoint (inside Checkpointer.save on rank 0), arena (a 4 MiB all_reduce through
@@ -55,6 +56,7 @@ class Data(torch.utils.data.Dataset):
 def main():
     out, mode, phase, target = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     workers = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    start = {"multiprocessing_context": sys.argv[6]} if len(sys.argv) > 6 and workers else {}
     torch.set_num_threads(1)
     hpcddp.init(abort_on_exception=True)
     hpcddp.init_process_group()
@@ -72,7 +74,8 @@ def main():
         # the sample the target's worker holds on: one of its own at step PAUSE_STEP
         hold = sampler.order()[PAUSE_STEP * batch + target] if phase == "data" else -1
         ds = Data(240, hold, target)
-        loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=workers)
+        loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=workers,
+                                             **start)
         state = elastic.State(model, opt, sampler, ddp_kwargs={"bucket_cap_mb": 0.001})
         ddp = state.model
     else:
@@ -82,7 +85,7 @@ def main():
         hold = local[PAUSE_STEP * 8] if phase == "data" and me == target else -1
         ds = Data(240, hold, target)
         loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=sampler,
-                                             drop_last=True, num_workers=workers)
+                                             drop_last=True, num_workers=workers, **start)
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
     ds.rank = me
     step = [0]
