@@ -478,10 +478,12 @@ def _write(src: _Source, enc: _Encoder, out: str, format: str, shard_bytes: int,
         else:
             _write_hdf5(partial, first, pending, enc.encoding)
         os.replace(partial, path)
-        sha, crc = mf.file_digests(path)
-        shards.append({"name": name, "first": first, "count": len(pending),
-                       "bytes": os.path.getsize(path), "sha256": sha, "crc32c": crc})
+        count = len(pending)
+        # the payloads go before the checksum maps the shard: the two never add up in memory
         pending, pending_bytes = [], 0
+        sha, crc = mf.file_digests(path)
+        shards.append({"name": name, "first": first, "count": count,
+                       "bytes": os.path.getsize(path), "sha256": sha, "crc32c": crc})
 
     try:
         for i, (key, value, label) in enumerate(src.it):
