@@ -181,26 +181,46 @@ def _hdf5_source(path: str, array: str | None, label_array: str | None, labels) 
     try:
         name = array if array is not None else _default_hdf5_array(f, path, label_array)
         ds = _hdf5_dataset(f, path, name, "--array")
-        if ds.dtype.hasobject:
-            raise ValueError(f"pack: dataset {name!r} in {path} has variable-length values "
-                             f"(h5py dtype {h5py.check_dtype(vlen=ds.dtype) or ds.dtype}); only "
-                             f"fixed-size values can be packed")
-        n = ds.shape[0]
-        lab = None if labels is None else list(labels)
+        labels_what = "labels"
         if label_array is not None:
             lds = _hdf5_dataset(f, path, label_array, "--label-array")
             if len(lds.shape) != 1 or lds.dtype.kind not in "iub":
                 raise ValueError(f"pack: label dataset {label_array!r} in {path} is "
                                  f"{lds.dtype}{list(lds.shape)}; labels are one integer per "
-                                 f"sample, shape ({n},)")
-            lab = lds[()].tolist()
-        if lab is not None and len(lab) != n:
-            what = f"label dataset {label_array!r}" if label_array is not None else "labels"
-            raise ValueError(f"pack: {what} has {len(lab)} entries, dataset {name!r} in {path} "
-                             f"has {n} samples (rows along axis 0)")
+                                 f"sample, shape ({ds.shape[0]},)")
+            labels, labels_what = lds, f"label dataset {label_array!r}"
+        return _h5_rows_source(ds, f"dataset {name!r} in {path}", labels, labels_what, f.close)
     except BaseException:
         f.close()
         raise
+
+
+def _is_h5_dataset(obj) -> bool:
+    if not type(obj).__module__.startswith("h5py"):
+        return False    # h5py is not imported for sources that cannot be one of its datasets
+    import h5py
+    return isinstance(obj, h5py.Dataset)
+
+
+def _h5_rows_source(ds, what: str, labels, labels_what: str = "labels",
+                    close=None) -> _Source:
+    """The rows of the open h5py dataset ``ds``, read ``hdf5_block_rows(ds)`` at a time;
+    ``close`` (the file's) runs when the rows end or the pack stops early."""
+    import h5py
+    if ds.shape is None or len(ds.shape) == 0:
+        raise ValueError(f"pack: {what} is a scalar (0-d, shape {ds.shape}); it needs one "
+                         f"sample per row along axis 0")
+    if ds.dtype.hasobject:
+        raise ValueError(f"pack: {what} has variable-length values (h5py dtype "
+                         f"{h5py.check_dtype(vlen=ds.dtype) or ds.dtype}); only fixed-size "
+                         f"values can be packed")
+    n = ds.shape[0]
+    if _is_h5_dataset(labels):
+        labels = labels[()]          # one read, not one per label
+    lab = None if labels is None else np.asarray(labels).tolist()
+    if lab is not None and len(lab) != n:
+        raise ValueError(f"pack: {labels_what} has {len(lab)} entries, {what} has {n} samples "
+                         f"(rows along axis 0)")
     # a compound dtype keeps its field names only in .npy bytes ("array" stores dtype.str)
     encoding = "npy" if ds.dtype.names else "array"
     step = hdf5_block_rows(ds)
@@ -213,7 +233,8 @@ def _hdf5_source(path: str, array: str | None, label_array: str | None, labels) 
                     i = start + j
                     yield str(i), block[j, ...], (None if lab is None else lab[i])
         finally:
-            f.close()
+            if close is not None:
+                close()
     return _Source(gen(), n, None, encoding, ds.dtype, tuple(ds.shape[1:]))
 
 
@@ -270,6 +291,9 @@ def _normalise(source, labels, label_from_parent, array=None, label_array=None) 
         raise ValueError("pack: label_from_parent=True needs a folder source")
     if isinstance(source, np.ndarray):
         return _array_source(source, labels)
+    if _is_h5_dataset(source):
+        return _h5_rows_source(source, f"dataset {source.name!r} in {source.file.filename}",
+                               labels)
     if hasattr(source, "numpy") and hasattr(source, "detach"):
         return _array_source(source.detach().cpu().numpy(), labels)
     if isinstance(source, (bytes, bytearray, dict)) or not hasattr(source, "__iter__"):
@@ -394,7 +418,8 @@ def pack(source, out: str, *, format: str = "lmdb", shard_bytes: int = DEFAULT_S
         source: a folder (every file below it is a sample, key = its relative path, in sorted
             order), a numpy array or tensor (samples along axis 0, keys "0", "1", ...), an
             HDF5 file (the rows of its dataset ``array``, keys "0", "1", ... as for an array;
-            read ``HDF5_BLOCK_BYTES`` at a time, in whole chunks), or an iterable of
+            read ``HDF5_BLOCK_BYTES`` at a time, in whole chunks) or an open h5py dataset
+            (the same, the caller keeps the file open until pack returns), or an iterable of
             ``(key, value)`` or ``(key, value, label)`` with bytes or array values.
         out: the directory to create. It must not exist or be empty, unless ``overwrite``.
         format: ``"lmdb"`` or ``"hdf5"``.

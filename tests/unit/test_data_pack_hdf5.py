@@ -207,3 +207,18 @@ def test_cli(files, capsys):
     out = capsys.readouterr().out
     assert out.startswith("packed 12 samples into 3 hdf5 shard(s)"), out
     _assert_equal(files / "out", _images("uint8", 12), list(range(12)))
+
+
+def test_an_open_h5py_dataset_as_source(tmp_path, small_blocks):
+    x = _images("uint8")
+    y = np.arange(N) % 3
+    _write(tmp_path / "d.h5", x, y)
+    pack(tmp_path / "d.h5", tmp_path / "a", array="grp/images", label_array="labels",
+         progress=False)
+    with h5py.File(tmp_path / "d.h5") as f:
+        m = pack(f["grp/images"], tmp_path / "b", labels=f["labels"], progress=False)
+        assert f.id.valid                       # the caller's file: left open
+        with pytest.raises(ValueError, match=r"labels has 202 entries, dataset '/grp/images' in"):
+            pack(f["grp/images"], tmp_path / "c", labels=y[1:], progress=False)
+    assert m.dumps() == (tmp_path / "a" / mf.MANIFEST).read_bytes()
+    _assert_equal(tmp_path / "b", x, y)
