@@ -3,9 +3,10 @@
 Sources: a folder tree of files (key = relative path, sorted), a numpy array (one sample per
 row), a dataset of an HDF5 file (one sample per row, read in blocks: a file larger than memory
 packs in bounded memory), or an iterable of ``(key, value)`` / ``(key, value, label)`` where a
-value is bytes or a numpy array. Samples are grouped, in order, into shards of at most ``shard_bytes`` of payload;
-each shard is one file (an LMDB environment with ``subdir=False``, or an HDF5 file). The
-output is deterministic: the same input gives the same bytes, shard checksums and manifest.
+value is bytes or a numpy array. Samples are grouped, in order, into shards of at most
+``shard_bytes`` of payload; each shard is one file (an LMDB environment with ``subdir=False``,
+or an HDF5 file). The output is deterministic: the same input gives the same bytes, shard
+checksums and manifest.
 
 Inside a shard:
 
