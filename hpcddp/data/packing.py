@@ -167,7 +167,7 @@ def _default_hdf5_array(f, path: str, label_array: str | None) -> str:
         raise ValueError(f"pack: {path} holds no dataset of one or more dimensions to pack "
                          f"(its datasets: {names})")
     raise ValueError(f"pack: {path} holds {len(rows)} datasets that could be the samples "
-                     f"({rows}); name one with --array (array=)")
+                     f"({rows}); name one with --array NAME (array=NAME from Python)")
 
 
 def _hdf5_source(path: str, array: str | None, label_array: str | None, labels) -> _Source:
