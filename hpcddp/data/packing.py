@@ -160,7 +160,7 @@ def _default_hdf5_array(f, path: str, label_array: str | None) -> str:
     """The one dataset of ndim >= 1 other than the labels; refuse when there are several."""
     names = hdf5_datasets(f)
     label = None if label_array is None else label_array.strip("/")
-    rows = [n for n in names if n != label and f[n].shape and len(f[n].shape) >= 1]
+    rows = [n for n in names if n != label and f[n].shape]   # () scalar, None empty: not rows
     if len(rows) == 1:
         return rows[0]
     if not rows:
@@ -279,8 +279,8 @@ def _normalise(source, labels, label_from_parent, array=None, label_array=None) 
             raise FileNotFoundError(f"pack: source {root!r} is not a directory (a folder tree "
                                     f"of files to pack) or an HDF5 file")
         if labels is not None or label_array is not None:
-            raise ValueError("pack: labels= is for array and iterable sources; a folder takes "
-                             "label_from_parent=True")
+            raise ValueError("pack: labels= and label_array= are for array, HDF5 and iterable "
+                             "sources; a folder takes label_from_parent=True")
         if array is not None:
             raise ValueError("pack: array= names a dataset of an HDF5 file; the source is a "
                              "folder")
