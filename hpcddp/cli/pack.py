@@ -1,16 +1,18 @@
-"""`hpcddp pack`: files or a .npy array -> a sharded LMDB or HDF5 data set."""
+"""`hpcddp pack`: files, a .npy/.npz array or an HDF5 dataset -> a sharded LMDB or HDF5 data set."""
 import argparse
 import os
 
 DESCRIPTION = """\
 Pack a folder tree of files (key = relative path; --labels parent for ImageFolder-style class
-labels) or a .npy/.npz array (one sample per row) into a data set directory of LMDB or HDF5
+labels), a .npy/.npz array or a dataset of an HDF5 file (one sample per row; an HDF5 file is
+read in blocks, so one larger than memory packs) into a data set directory of LMDB or HDF5
 shards plus manifest.json (format version, key order, shard sizes and SHA-256 checksums).
 The same input always gives the same bytes. Runs in one process; no MPI.
 
     hpcddp pack ./images /lustre/me/images.lmdb --format lmdb --labels parent
     hpcddp pack features.npy /lustre/me/feats.h5 --format hdf5 --shard-size 256M
     hpcddp pack data.npz /lustre/me/d --array x --label-array y
+    hpcddp pack data.h5 /lustre/me/d --array grp/images --label-array labels
 
 Then stage it to node-local storage inside your job: `hpcddp stage SRC DEST` (docs/data.md).
 """
@@ -34,7 +36,7 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", help="a folder of files, or a .npy/.npz file")
+    parser.add_argument("source", help="a folder of files, a .npy/.npz file or an HDF5 file")
     parser.add_argument("out", help="the data set directory to create")
     parser.add_argument("--format", choices=("lmdb", "hdf5"), default="lmdb",
                         help="shard storage (default lmdb)")
@@ -43,8 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--labels", choices=("none", "parent"), default="none",
                         help="folder sources: 'parent' labels each file by its parent folder")
     parser.add_argument("--array", metavar="NAME",
-                        help=".npz sources: the array holding the samples (default: the first)")
-    parser.add_argument("--label-array", metavar="NAME", help=".npz sources: an array of labels")
+                        help=".npz sources: the array holding the samples (default: the first); "
+                             "HDF5 sources: the dataset's path, e.g. grp/images (default: the "
+                             "file's one dataset of ndim >= 1)")
+    parser.add_argument("--label-array", metavar="NAME",
+                        help=".npz/HDF5 sources: an array or dataset of int labels")
     parser.add_argument("--encoding", choices=("bytes", "array", "npy"),
                         help="override the value encoding (default: from the source)")
     parser.add_argument("--overwrite", action="store_true",
@@ -55,13 +60,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    """(samples, labels) from a .npy/.npz SOURCE, or the refusal's text (a str)."""
+    """(samples, labels) from a .npy/.npz SOURCE, (SOURCE, None) for an HDF5 file (pack reads
+    it), or the refusal's text (a str)."""
     import numpy as np
     source = args.source
     kind = os.path.splitext(source)[1].lower()
     if kind not in (".npy", ".npz"):
-        return (f"SOURCE {source!r} is a file that is not .npy or .npz; give a folder of files "
-                f"(one sample each), or a .npy/.npz array (one sample per row)")
+        from hpcddp.data.packing import is_hdf5
+        if not is_hdf5(source):
+            return (f"SOURCE {source!r} is a file that is not .npy or .npz, nor HDF5; give a "
+                    f"folder of files (one sample each), a .npy/.npz array or an HDF5 file "
+                    f"(one sample per row)")
+        if args.labels == "parent":
+            return "--labels parent labels the files of a folder; SOURCE is an HDF5 file"
+        return source, None
     if args.labels == "parent":
         return "--labels parent labels the files of a folder; SOURCE is an array file"
     if kind == ".npy" and (args.array or args.label_array):
@@ -95,8 +107,8 @@ def run(args) -> int:
         return refuse("pack", f"SOURCE {source!r} does not exist")
     if os.path.isdir(source):
         if args.array or args.label_array:
-            return refuse("pack", "--array/--label-array are for .npz sources; a folder's "
-                                  "labels come from --labels parent")
+            return refuse("pack", "--array/--label-array are for .npz sources and HDF5 "
+                                  "files; a folder's labels come from --labels parent")
         if not any(files for _, _, files in os.walk(source)):
             return refuse("pack", f"SOURCE {source!r} holds no files: nothing to pack")
     else:
@@ -104,12 +116,15 @@ def run(args) -> int:
         if isinstance(loaded, str):
             return refuse("pack", loaded)
         source, labels = loaded
+    hdf5 = isinstance(source, str) and os.path.isfile(source)
     from hpcddp.data.packing import pack
     try:
         m = pack(source, args.out, format=args.format, shard_bytes=args.shard_size,
                  labels=labels, label_from_parent=args.labels == "parent",
                  encoding=args.encoding, overwrite=args.overwrite,
-                 progress=not args.no_progress)
+                 progress=not args.no_progress,
+                 array=args.array if hdf5 else None,
+                 label_array=args.label_array if hdf5 else None)
     except (ValueError, TypeError, FileExistsError, FileNotFoundError) as exc:
         return refuse("pack", exc)
     summary = {"out": os.path.abspath(args.out), "format": m.storage, "encoding": m.encoding,

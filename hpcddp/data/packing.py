@@ -1,10 +1,12 @@
 """Pack samples into a sharded LMDB or HDF5 data set (``hpcddp pack`` and :func:`pack`).
 
 Sources: a folder tree of files (key = relative path, sorted), a numpy array (one sample per
-row), or an iterable of ``(key, value)`` / ``(key, value, label)`` where a value is bytes or a
-numpy array. Samples are grouped, in order, into shards of at most ``shard_bytes`` of payload;
-each shard is one file (an LMDB environment with ``subdir=False``, or an HDF5 file). The
-output is deterministic: the same input gives the same bytes, shard checksums and manifest.
+row), a dataset of an HDF5 file (one sample per row, read in blocks: a file larger than memory
+packs in bounded memory), or an iterable of ``(key, value)`` / ``(key, value, label)`` where a
+value is bytes or a numpy array. Samples are grouped, in order, into shards of at most
+``shard_bytes`` of payload; each shard is one file (an LMDB environment with ``subdir=False``,
+or an HDF5 file). The output is deterministic: the same input gives the same bytes, shard
+checksums and manifest.
 
 Inside a shard:
 
@@ -27,6 +29,8 @@ from hpcddp.data import manifest as mf
 
 DEFAULT_SHARD_BYTES = 128 << 20
 _LMDB_TXN_BYTES = 64 << 20   # commit every ~64 MiB: keeps LMDB's dirty-page list bounded
+# rows of an HDF5 source read per h5py call: what a pack holds besides its pending shard
+HDF5_BLOCK_BYTES = 64 << 20
 
 
 def lmdb_key(index: int) -> bytes:
@@ -99,8 +103,140 @@ def _array_source(arr: np.ndarray, labels) -> _Source:
 
     def gen():
         for i in range(len(arr)):
-            yield str(i), arr[i], (None if lab is None else lab[i])
+            # arr[i, ...]: a 0-d array for a 1-D source (arr[i] is a numpy scalar)
+            yield str(i), arr[i, ...], (None if lab is None else lab[i])
     return _Source(gen(), len(arr), None, "array", arr.dtype, tuple(arr.shape[1:]))
+
+
+# -- HDF5 sources ------------------------------------------------------------------------------
+
+def is_hdf5(path) -> bool:
+    """Whether the file at ``path`` starts with HDF5's signature (reads a few bytes)."""
+    import h5py
+    try:
+        return bool(h5py.is_hdf5(os.fspath(path)))
+    except OSError:
+        return False
+
+
+def hdf5_datasets(f) -> list[str]:
+    """Sorted paths (``"grp/images"``) of every dataset in the open h5py file or group ``f``."""
+    import h5py
+    names: list[str] = []
+    f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    return sorted(names)
+
+
+def hdf5_block_rows(ds, block_bytes: int | None = None) -> int:
+    """Rows of ``ds`` to read per call: about ``block_bytes`` (default ``HDF5_BLOCK_BYTES``), a
+    whole number of chunks along axis 0 when ``ds`` is chunked (no chunk is decompressed
+    twice), at least one chunk or row."""
+    if block_bytes is None:
+        block_bytes = HDF5_BLOCK_BYTES
+    row = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
+    rows = max(1, block_bytes // max(1, row))
+    if ds.chunks:
+        c = ds.chunks[0]
+        rows = max(c, rows // c * c)
+    return rows
+
+
+def _hdf5_dataset(f, path: str, name: str, option: str):
+    import h5py
+    obj = f.get(name)
+    if obj is None:
+        raise ValueError(f"pack: {path} has no dataset {name!r} ({option}); it has "
+                         f"{hdf5_datasets(f)}")
+    if not isinstance(obj, h5py.Dataset):
+        raise ValueError(f"pack: {name!r} in {path} is a {type(obj).__name__.lower()}, not a "
+                         f"dataset ({option}); the file's datasets: {hdf5_datasets(f)}")
+    if obj.shape is None or len(obj.shape) == 0:
+        raise ValueError(f"pack: dataset {name!r} in {path} ({option}) is a scalar (0-d, shape "
+                         f"{obj.shape}); it needs one sample per row along axis 0")
+    return obj
+
+
+def _default_hdf5_array(f, path: str, label_array: str | None) -> str:
+    """The one dataset of ndim >= 1 other than the labels; refuse when there are several."""
+    names = hdf5_datasets(f)
+    label = None if label_array is None else label_array.strip("/")
+    rows = [n for n in names if n != label and f[n].shape]   # () scalar, None empty: not rows
+    if len(rows) == 1:
+        return rows[0]
+    if not rows:
+        raise ValueError(f"pack: {path} holds no dataset of one or more dimensions to pack "
+                         f"(its datasets: {names})")
+    raise ValueError(f"pack: {path} holds {len(rows)} datasets that could be the samples "
+                     f"({rows}); name one with --array NAME (array=NAME from Python)")
+
+
+def _hdf5_source(path: str, array: str | None, label_array: str | None, labels) -> _Source:
+    """Rows of dataset ``array`` of the HDF5 file ``path``, read in chunk-aligned blocks."""
+    import h5py
+    if labels is not None and label_array is not None:
+        raise ValueError("pack: labels given both as labels= and as label_array=; use one")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise ValueError(f"pack: cannot open {path!r} as an HDF5 file: {exc}") from None
+    try:
+        name = array if array is not None else _default_hdf5_array(f, path, label_array)
+        ds = _hdf5_dataset(f, path, name, "--array")
+        labels_what = "labels"
+        if label_array is not None:
+            lds = _hdf5_dataset(f, path, label_array, "--label-array")
+            if len(lds.shape) != 1 or lds.dtype.kind not in "iub":
+                raise ValueError(f"pack: label dataset {label_array!r} in {path} is "
+                                 f"{lds.dtype}{list(lds.shape)}; labels are one integer per "
+                                 f"sample, shape ({ds.shape[0]},)")
+            labels, labels_what = lds, f"label dataset {label_array!r}"
+        return _h5_rows_source(ds, f"dataset {name!r} in {path}", labels, labels_what, f.close)
+    except BaseException:
+        f.close()
+        raise
+
+
+def _is_h5_dataset(obj) -> bool:
+    if not type(obj).__module__.startswith("h5py"):
+        return False    # h5py is not imported for sources that cannot be one of its datasets
+    import h5py
+    return isinstance(obj, h5py.Dataset)
+
+
+def _h5_rows_source(ds, what: str, labels, labels_what: str = "labels",
+                    close=None) -> _Source:
+    """The rows of the open h5py dataset ``ds``, read ``hdf5_block_rows(ds)`` at a time;
+    ``close`` (the file's) runs when the rows end or the pack stops early."""
+    import h5py
+    if ds.shape is None or len(ds.shape) == 0:
+        raise ValueError(f"pack: {what} is a scalar (0-d, shape {ds.shape}); it needs one "
+                         f"sample per row along axis 0")
+    if ds.dtype.hasobject:
+        raise ValueError(f"pack: {what} has variable-length values (h5py dtype "
+                         f"{h5py.check_dtype(vlen=ds.dtype) or ds.dtype}); only fixed-size "
+                         f"values can be packed")
+    n = ds.shape[0]
+    if _is_h5_dataset(labels):
+        labels = labels[()]          # one read, not one per label
+    lab = None if labels is None else np.asarray(labels).tolist()
+    if lab is not None and len(lab) != n:
+        raise ValueError(f"pack: {labels_what} has {len(lab)} entries, {what} has {n} samples "
+                         f"(rows along axis 0)")
+    # a compound dtype keeps its field names only in .npy bytes ("array" stores dtype.str)
+    encoding = "npy" if ds.dtype.names else "array"
+    step = hdf5_block_rows(ds)
+
+    def gen():
+        try:
+            for start in range(0, n, step):
+                block = ds[start:start + step]
+                for j in range(len(block)):
+                    i = start + j
+                    yield str(i), block[j, ...], (None if lab is None else lab[i])
+        finally:
+            if close is not None:
+                close()
+    return _Source(gen(), n, None, encoding, ds.dtype, tuple(ds.shape[1:]))
 
 
 def _iterable_source(items: Iterable, labels) -> _Source:
@@ -127,20 +263,38 @@ def _iterable_source(items: Iterable, labels) -> _Source:
     return _Source(gen(), total, None, None)
 
 
-def _normalise(source, labels, label_from_parent) -> _Source:
+def _normalise(source, labels, label_from_parent, array=None, label_array=None) -> _Source:
     if isinstance(source, (str, os.PathLike)):
         root = os.fspath(source)
+        if os.path.isfile(root):
+            if not is_hdf5(root):
+                raise ValueError(f"pack: source {root!r} is a file that is not HDF5 (no HDF5 "
+                                 f"signature); give a folder tree of files, an HDF5 file or a "
+                                 f"numpy array")
+            if label_from_parent:
+                raise ValueError("pack: label_from_parent=True needs a folder source; an HDF5 "
+                                 "file's labels come from label_array=")
+            return _hdf5_source(root, array, label_array, labels)
         if not os.path.isdir(root):
             raise FileNotFoundError(f"pack: source {root!r} is not a directory (a folder tree "
-                                    f"of files to pack)")
-        if labels is not None:
-            raise ValueError("pack: labels= is for array and iterable sources; a folder takes "
-                             "label_from_parent=True")
+                                    f"of files to pack) or an HDF5 file")
+        if labels is not None or label_array is not None:
+            raise ValueError("pack: labels= and label_array= are for array, HDF5 and iterable "
+                             "sources; a folder takes label_from_parent=True")
+        if array is not None:
+            raise ValueError("pack: array= names a dataset of an HDF5 file; the source is a "
+                             "folder")
         return _folder_source(root, label_from_parent)
+    if array is not None or label_array is not None:
+        raise ValueError("pack: array= and label_array= name datasets of an HDF5 file; the "
+                         "source is not one")
     if label_from_parent:
         raise ValueError("pack: label_from_parent=True needs a folder source")
     if isinstance(source, np.ndarray):
         return _array_source(source, labels)
+    if _is_h5_dataset(source):
+        return _h5_rows_source(source, f"dataset {source.name!r} in {source.file.filename}",
+                               labels)
     if hasattr(source, "numpy") and hasattr(source, "detach"):
         return _array_source(source.detach().cpu().numpy(), labels)
     if isinstance(source, (bytes, bytearray, dict)) or not hasattr(source, "__iter__"):
@@ -258,13 +412,16 @@ def _write_hdf5(path: str, first: int, values: Sequence, encoding: str) -> None:
 def pack(source, out: str, *, format: str = "lmdb", shard_bytes: int = DEFAULT_SHARD_BYTES,
          labels: Sequence[int] | None = None, label_from_parent: bool = False,
          encoding: str | None = None, overwrite: bool = False, progress: bool = True,
-         ) -> mf.Manifest:
+         array: str | None = None, label_array: str | None = None) -> mf.Manifest:
     """Pack ``source`` into the data set directory ``out``; return its manifest.
 
     Args:
         source: a folder (every file below it is a sample, key = its relative path, in sorted
-            order), a numpy array or tensor (samples along axis 0, keys "0", "1", ...), or an
-            iterable of ``(key, value)`` or ``(key, value, label)`` with bytes or array values.
+            order), a numpy array or tensor (samples along axis 0, keys "0", "1", ...), an
+            HDF5 file (the rows of its dataset ``array``, keys "0", "1", ... as for an array;
+            read ``HDF5_BLOCK_BYTES`` at a time, in whole chunks) or an open h5py dataset
+            (the same, the caller keeps the file open until pack returns), or an iterable of
+            ``(key, value)`` or ``(key, value, label)`` with bytes or array values.
         out: the directory to create. It must not exist or be empty, unless ``overwrite``.
         format: ``"lmdb"`` or ``"hdf5"``.
         shard_bytes: target payload bytes per shard: a shard takes samples in order while
@@ -276,6 +433,14 @@ def pack(source, out: str, *, format: str = "lmdb", shard_bytes: int = DEFAULT_S
         encoding: ``"bytes"``, ``"array"`` (one dtype and shape) or ``"npy"`` (arrays that
             vary); default: from the first value.
         progress: show a tqdm bar (on stderr, and only when stderr is a terminal).
+        array: HDF5 sources: the path of the samples' dataset in the file (``"grp/images"``);
+            default: the file's one dataset of one or more dimensions (other than
+            ``label_array``), refused when there are several.
+        label_array: HDF5 sources: the path of a dataset of int labels, one per sample.
+
+    Memory: an HDF5 source holds one block of rows and the shard being filled (up to
+    ``shard_bytes``; twice that while an HDF5 shard is written), plus the keys and labels of
+    every sample for the manifest: not the file.
 
     Called by one process; needs no MPI.
     """
@@ -285,7 +450,7 @@ def pack(source, out: str, *, format: str = "lmdb", shard_bytes: int = DEFAULT_S
         raise ValueError(f"pack: shard_bytes={shard_bytes!r}, expected a positive int (bytes)")
     out = os.fspath(out)
     # a source that cannot be read fails here, before OUT is created or cleared
-    src = _normalise(source, labels, label_from_parent)
+    src = _normalise(source, labels, label_from_parent, array, label_array)
     enc = _Encoder(encoding or src.encoding)
     if enc.encoding == "array" and src.dtype is not None:
         enc.dtype, enc.shape = src.dtype, src.shape
@@ -339,10 +504,12 @@ def _write(src: _Source, enc: _Encoder, out: str, format: str, shard_bytes: int,
         else:
             _write_hdf5(partial, first, pending, enc.encoding)
         os.replace(partial, path)
-        sha, crc = mf.file_digests(path)
-        shards.append({"name": name, "first": first, "count": len(pending),
-                       "bytes": os.path.getsize(path), "sha256": sha, "crc32c": crc})
+        count = len(pending)
+        # the payloads go before the checksum maps the shard: the two never add up in memory
         pending, pending_bytes = [], 0
+        sha, crc = mf.file_digests(path)
+        shards.append({"name": name, "first": first, "count": count,
+                       "bytes": os.path.getsize(path), "sha256": sha, "crc32c": crc})
 
     try:
         for i, (key, value, label) in enumerate(src.it):
