@@ -1,5 +1,5 @@
 """Build hpcddp's one C module, the plan hits (hpcddp/collectives/_fastpath.c), and put
-hpcddp-torchrun-env.pth beside the package (torchrun's variables under MPI launchers at
+hpcddp-start.pth beside the package (torchrun's variables under MPI launchers at
 interpreter start: hpcddp/launch/torchrun_env.py).
 
 Everything else is declared in pyproject.toml ([project], PEP 621). The module is optional: it is compiled and linked
@@ -17,8 +17,8 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 #: A .pth file in site-packages: Python runs its `import` line at every interpreter start.
-PTH = "hpcddp-torchrun-env.pth"
-PTH_LINE = "import _hpcddp_torchrun_env\n"
+PTH = "hpcddp-start.pth"
+PTH_LINE = "import _hpcddp_start\n"
 
 
 def find_mpicc():

@@ -64,7 +64,7 @@ _register_backend()
 
 def _torchrun_vars() -> None:
     # torchrun's RANK, LOCAL_RANK... under an MPI launcher, for an installation without
-    # hpcddp-torchrun-env.pth (which sets them at interpreter start): hpcddp/launch/torchrun_env.py
+    # hpcddp-start.pth (which sets them at interpreter start): hpcddp/launch/torchrun_env.py
     from hpcddp.launch.torchrun_env import export
     export()
 

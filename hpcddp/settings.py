@@ -184,6 +184,9 @@ VARS: tuple[Var, ...] = (
     Var("HPCDDP_TORCH_VARS_SET", _text, "", "written by hpcddp",
         "which of torchrun's variables hpcddp set, and for which process (a child of another "
         "job's rank replaces them)", "launching.md"),
+    Var("HPCDDP_RANK_PID", _text, "", "written by hpcddp",
+        "the PID of the rank that started MPI: a Python process it starts by exec (spawn, "
+        "forkserver) dies with it (the package's .pth file)", "hangs.md"),
     Var("HPCDDP_RANKS_PER_NODE", _positive_int, None, "ranks",
         "emulate nodes of this many consecutive ranks on one host (tests, demos)",
         "launching.md"),

@@ -4,7 +4,8 @@ the recovery (elastic), for each phase of tests/test_outside_kill.py's job.
     python scripts/outside_kill_times.py [--repeat 3] [--json docs/benchmarks/outside-kill.json]
 
 Each case runs tests/scripts/outside_kill_train.py under mpirun (3 ranks, 1 DataLoader worker
-each; 4 ranks, 2 per emulated node, for the hierarchical path), waits for the target to say it
+each, forked unless the table says spawn or forkserver; 4 ranks, 2 per emulated node, for
+the hierarchical path), waits for the target to say it
 is in the phase, SIGKILLs it from here and times, as this process sees it: plain mode, the
 kill to mpirun's exit; elastic mode, the kill to the line "first step after the recovery
 completed". Every case also checks that no process of the job is left. docs/hangs.md and
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from outside_kill import Job  # noqa: E402
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "outside_kill_train.py")
-CASES = [   # (mode, phase, nprocs, target, workers, what, ranks per node)
+CASES = [   # (mode, phase, nprocs, target, workers, what, ranks per node[, worker start])
     ("plain", "data", 3, 1, 1, "rank", None),
     ("plain", "data", 3, 1, 1, "worker", None),
     ("plain", "forward", 3, 1, 1, "rank", None),
@@ -37,6 +38,8 @@ CASES = [   # (mode, phase, nprocs, target, workers, what, ranks per node)
     ("plain", "checkpoint", 3, 0, 1, "rank", None),
     ("plain", "arena", 3, 1, 0, "rank", None),
     ("plain", "arena", 4, 2, 0, "rank", 2),
+    ("plain", "forward", 3, 1, 1, "rank", None, "spawn"),
+    ("plain", "forward", 3, 1, 1, "rank", None, "forkserver"),
     ("elastic", "data", 3, 1, 1, "rank", None),
     ("elastic", "data", 3, 1, 1, "worker", None),
     ("elastic", "forward", 3, 1, 1, "rank", None),
@@ -48,13 +51,14 @@ CASES = [   # (mode, phase, nprocs, target, workers, what, ranks per node)
 RECOVERED = "first step after the recovery completed"
 
 
-def run_case(mode, phase, nprocs, target, workers, what, rpn) -> dict:
+def run_case(mode, phase, nprocs, target, workers, what, rpn, start="fork") -> dict:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="hpcddp-kill-"))
     env = dict(os.environ, HPCDDP_TIMEOUT="10")
     env.pop("HPCDDP_RANKS_PER_NODE", None)
     if rpn:
         env["HPCDDP_RANKS_PER_NODE"] = str(rpn)
-    job = Job(nprocs, [sys.executable, SCRIPT, str(tmp), mode, phase, str(target), str(workers)],
+    job = Job(nprocs, [sys.executable, SCRIPT, str(tmp), mode, phase, str(target), str(workers),
+                       start],
               outfile=tmp / "out.txt", timeout=150, env=env, fault_tolerant=mode == "elastic")
     m = job.wait_for(rf"\[rank{target}\] AT PHASE {phase} pid (\d+)")
     if what == "worker":
@@ -72,6 +76,7 @@ def run_case(mode, phase, nprocs, target, workers, what, rpn) -> dict:
     left = job.leftovers()
     return {"mode": mode, "phase": phase, "ranks": nprocs, "killed": what,
             "path": "hierarchical" if rpn else None, "exit": rc,
+            "workers": None if start == "fork" else f"{start} workers",
             "kill_to_end_s": round(to_end, 3),
             "kill_to_first_step_s": None if recovered is None else round(recovered, 3),
             "left_behind": len(left)}
@@ -86,7 +91,7 @@ def table(rows) -> str:
     out = ["| mode | phase | killed | kill -> job end, s | kill -> first step after recovery, s "
            "| exit | left behind |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        phase = r["phase"] + (f" ({r['path']})" if r["path"] else "")
+        phase = r["phase"] + "".join(f" ({r[k]})" for k in ("path", "workers") if r.get(k))
         cells = []
         for key in ("kill_to_end_s", "kill_to_first_step_s"):
             lo_hi = r[_range(key)]

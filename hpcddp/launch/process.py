@@ -13,7 +13,9 @@ node) ends the job instead of hanging it (docs/hangs.md, "A rank killed from out
    ``PR_SET_PDEATHSIG = SIGKILL`` (Linux): it dies with its rank at once, where torch's own
    worker watchdog needs up to 5 s and a free GIL, and a user's multiprocessing child has no
    watchdog at all. (Forks from other threads do not: the kernel sends the signal when the
-   forking *thread* ends.) Children started by spawn or forkserver inherit nothing of this.
+   forking *thread* ends.) Children started by spawn or forkserver inherit none of the rank's
+   hooks; those that are Python get the same PDEATHSIG at interpreter start, from the
+   package's .pth file (_hpcddp_start.py), through ``HPCDDP_RANK_PID``.
 2. **A rank whose launcher has gone ends itself.** Under ``mpirun --with-ft ulfm`` Open MPI
    answers an MPI_Abort with SIGTERM and no SIGKILL, and mpirun exits: a rank that catches
    SIGTERM (a Checkpointer does, for preemption) and waits in a collective for the aborted
@@ -32,6 +34,7 @@ import sys
 import threading
 import time
 
+RANK_PID_VARIABLE = "HPCDDP_RANK_PID"
 ORPHAN_EXIT_CODE = 143          # as if the launcher's SIGTERM had ended it
 WATCH_PERIOD_S = 0.5
 # the processes that start ranks: a rank's nearest ancestor with one of these names is its
@@ -68,6 +71,9 @@ def own() -> None:
     """Mark this process as the rank (hpcddp.init calls it) and arm the fork hooks. Idempotent."""
     global _rank_pid, _registered, _libc
     _rank_pid = os.getpid()
+    # for Python processes it starts by exec (spawn, forkserver, subprocess): hpcddp-start.pth
+    # gives them the same PDEATHSIG (_hpcddp_start.py)
+    os.environ[RANK_PID_VARIABLE] = str(_rank_pid)
     if _registered or not hasattr(os, "register_at_fork"):
         return
     _registered = True

@@ -9,8 +9,8 @@ precedence) where this process sits and sets torchrun's names to the same values
 
 When, so that a script that reads them before anything else finds them:
 
-1. at interpreter start: the wheel installs ``hpcddp-torchrun-env.pth``, whose one line
-   imports the top-level ``_hpcddp_torchrun_env``; that returns at once unless one of an
+1. at interpreter start: the wheel installs ``hpcddp-start.pth``, whose one line
+   imports the top-level ``_hpcddp_start``; that returns at once unless one of an
    MPI launcher's variables is set (:data:`LAUNCHER_MARKERS`), and then runs :func:`export`
    from this module without importing hpcddp's package (which imports torch);
 2. at ``import hpcddp`` (for an installation without the .pth: ``PYTHONPATH``, a copied tree);

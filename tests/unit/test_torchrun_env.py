@@ -1,6 +1,6 @@
 """hpcddp.launch.torchrun_env: torchrun's variables from each MPI launcher's (pure: env dicts).
 
-And the interpreter-start hook (hpcddp-torchrun-env.pth -> _hpcddp_torchrun_env) in a child
+And the interpreter-start hook (hpcddp-start.pth -> _hpcddp_start) in a child
 Python under a launcher's variables written by hand: it sets them without importing hpcddp,
 torch or mpi4py.
 """

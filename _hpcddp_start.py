@@ -1,4 +1,14 @@
-"""Run at interpreter start by hpcddp-torchrun-env.pth: torchrun's variables under MPI launchers.
+"""Run at interpreter start by hpcddp-start.pth, for processes of an MPI job. Two things:
+
+1. **A child of a rank dies with it.** A Python process whose parent is a rank that hpcddp
+   started in (``HPCDDP_RANK_PID``, set by hpcddp.launch.process) asks the kernel for
+   ``SIGKILL`` when that parent dies (``PR_SET_PDEATHSIG``). That reaches what the rank's own
+   at-fork hook cannot: DataLoader workers started by spawn, and multiprocessing's forkserver,
+   whose forked workers keep the forkserver alive (they hold the pipe whose end would tell it
+   its rank died) while their watchdog watches the forkserver, not the rank: the pair outlived
+   a killed rank and held mpirun's output open forever. Multiprocessing's resource tracker is
+   left alone: it cleans up after its parent's end.
+2. **torchrun's variables under MPI launchers** (below).
 
 A script that reads ``os.environ["LOCAL_RANK"]`` before importing anything finds it under
 mpirun and srun (hpcddp/launch/torchrun_env.py says what is set and why). Outside a job this
@@ -33,6 +43,27 @@ def _export() -> None:
         for name in [n for n in sys.modules if n == "hpcddp" or n.startswith("hpcddp.")]:
             del sys.modules[name]
 
+
+def _die_with_the_rank() -> None:
+    import sys
+    rank = os.environ.get("HPCDDP_RANK_PID", "")
+    if not rank.isdigit() or os.getppid() != int(rank) or not sys.platform.startswith("linux"):
+        return
+    if "multiprocessing.resource_tracker" in " ".join(getattr(sys, "orig_argv", ())):
+        return
+    import ctypes
+    import signal
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != int(rank):       # the rank died before prctl: too late for the kernel
+        os._exit(1)
+
+
+if "HPCDDP_RANK_PID" in os.environ:
+    try:
+        _die_with_the_rank()
+    except Exception:   # noqa: BLE001 - never break the interpreter's start
+        pass
 
 if any(n in os.environ for n in _MARKERS) and os.environ.get("HPCDDP_TORCH_VARS") != "0":
     try:
