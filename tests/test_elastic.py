@@ -175,3 +175,26 @@ def test_lost_rank_outside_elastic_mode_ends_the_job():
     assert res.returncode != 0
     assert "rank 1" in out and "signal 9" in out, out[-3000:]
     assert took < 60, f"the job took {took:.0f} s to end"
+
+
+def _ulfm_cost_ratios():
+    """(hpcddp, gloo) steps/s with --with-ft ulfm over without, per committed pair."""
+    runs = ROOT / "docs" / "benchmarks" / "ulfm-cost"
+    out = []
+    for plain in sorted(runs.glob("plain*.json")):
+        ulfm = runs / plain.name.replace("plain", "ulfm")
+        a, b = (json.loads(f.read_text())["models"][0]["stats"] for f in (plain, ulfm))
+        out.append(tuple(b[k]["steps_per_s"] / a[k]["steps_per_s"] for k in ("hpcddp", "gloo")))
+    return out
+
+
+def test_docs_ulfm_cost_is_the_committed_runs():
+    """docs/elastic.md's cost of --with-ft ulfm is docs/benchmarks/ulfm-cost/ (six pairs)."""
+    import statistics
+    ratios = _ulfm_cost_ratios()
+    assert len(ratios) == 6
+    page = (ROOT / "docs" / "elastic.md").read_text()
+    for i, name in ((0, "hpcddp's"), (1, "gloo's")):
+        vals = [r[i] for r in ratios]
+        text = (f"{min(vals):.2f}-{max(vals):.2f}, median {statistics.median(vals):.2f}")
+        assert text in page, (name, text)

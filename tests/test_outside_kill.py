@@ -24,6 +24,7 @@ import time
 import pytest
 
 from outside_kill import Job
+from test_data_cli import _pack_folder
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "scripts" / "outside_kill_train.py")
@@ -151,36 +152,16 @@ def test_elastic_loss_outside_the_step_ends_the_job_saying_why(tmp_path, phase, 
         assert sorted((tmp_path / "ckpt").glob("ckpt-*.pt")) == []
 
 
-def _pack_source(tmp, n=40, size=3000):
-    import numpy as np
-    root = tmp / "files"
-    rng = np.random.default_rng(0)
-    for i in range(n):
-        p = root / f"class{i % 3}" / f"f{i:03d}.bin"
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(rng.bytes(size))
-    return root
-
-
 def _cli(tmp, nprocs, hold, target, argv, **env):
     return Job(nprocs, [sys.executable, HOLD, f"hold:{hold}", str(target), *argv],
                outfile=tmp / "out.txt", timeout=WALL, env=_env(**env))
-
-
-def _pack(root, out):
-    import subprocess
-    res = subprocess.run([sys.executable, "-m", "hpcddp", "pack", str(root), str(out),
-                          "--labels", "parent", "--shard-size", "8K", "--no-progress"],
-                         capture_output=True, text=True, timeout=WALL)
-    assert res.returncode == 0, res.stderr
 
 
 def test_stage_rank_killed_mid_copy(tmp_path):
     """``hpcddp stage`` under mpirun, rank 1 killed inside its copy: the job ends naming it,
     and every shard under its final name on that node is whole (the rest are .partial)."""
     from hpcddp.data import manifest as mf
-    src = tmp_path / "src"
-    _pack(_pack_source(tmp_path), src)
+    _, src = _pack_folder(tmp_path)
     job = _cli(tmp_path, 2, 30, 1, ["stage", str(src), str(tmp_path / "dst-{node}"),
                                     "--chunk-size", "2K", "--no-progress"],
                HPCDDP_RANKS_PER_NODE=1)
@@ -200,8 +181,7 @@ def test_stage_rank_killed_mid_copy(tmp_path):
 def test_stage_peer_hung_ends_in_a_stall_report(tmp_path):
     """A rank that hangs inside ``hpcddp stage`` (here: stopped in its copy, never killed):
     the watchdog sees the others wait in staging's own MPI calls and its report names it."""
-    src = tmp_path / "src"
-    _pack(_pack_source(tmp_path), src)
+    _, src = _pack_folder(tmp_path)
     job = _cli(tmp_path, 2, 30, 1, ["stage", str(src), str(tmp_path / "dst-{node}"),
                                     "--chunk-size", "2K", "--no-progress"],
                HPCDDP_RANKS_PER_NODE=1, HPCDDP_TIMEOUT=5)
@@ -216,9 +196,8 @@ def test_stage_peer_hung_ends_in_a_stall_report(tmp_path):
 def test_pack_killed_leaves_no_partial_shard_under_its_name(tmp_path):
     """``hpcddp pack`` (one process, here under mpirun) killed between writing a shard and
     renaming it into place: no manifest, and every shard with a final name is whole."""
-    root = _pack_source(tmp_path)
-    ref, out_dir = tmp_path / "ref", tmp_path / "out"
-    _pack(root, ref)
+    root, ref = _pack_folder(tmp_path)       # ref: the same files packed whole
+    out_dir = tmp_path / "out"
     job = _cli(tmp_path, 1, 3, 0, ["pack", str(root), str(out_dir), "--labels", "parent",
                                    "--shard-size", "8K", "--no-progress"])
     _kill(job, 0, "pack", "rank")
