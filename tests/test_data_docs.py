@@ -68,6 +68,17 @@ def test_data_page_examples_run(tmp_path):
     samples, shards = map(int, res.stdout.split())
     assert samples == 500 and shards > 1
 
+    # 1b. packing an HDF5 file: the file and the CLI, then the Python examples in one process
+    bash(next(c for k, c in blocks if k == "bash" and "hpcddp pack scans.h5" in c))
+    assert (tmp_path / "packed-scans" / "manifest.json").exists()
+    assert (tmp_path / "packed-scans-h5" / "manifest.json").exists()
+    h5_py = [c for k, c in blocks if k == "python" and "h5py" in c]
+    res = subprocess.run([sys.executable, "-c", "\n".join(h5_py)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split()[:2] == ["1000", "4"], res.stdout
+    assert (tmp_path / "packed-many" / "manifest.json").exists()
+
     # 2. the stage command, whose output the page shows
     stage_sh = next(c for k, c in blocks if k == "bash" and "mpirun -n 4 hpcddp stage" in c)
     res = bash(stage_sh)
@@ -80,7 +91,7 @@ def test_data_page_examples_run(tmp_path):
         assert (tmp_path / f"staged-{node}" / "images" / "READY").exists()
 
     # 3. the Python examples: stage, train loop, exact evaluation, as one script on 2 ranks
-    py = [c for k, c in blocks if k == "python" and "packed-items" not in c]
+    py = [c for k, c in blocks if k == "python" and "packed-items" not in c and "h5py" not in c]
     script = tmp_path / "stage_and_read.py"
     script.write_text(_here("\n".join(py), tmp_path))
     # HPCDDP_TIMEOUT: a rank that fails leaves the other waiting; the watchdog's report ends

@@ -1,8 +1,9 @@
 """Abort on exception: one rank's uncaught exception ends the whole job, promptly.
 
 Without it the other ranks wait forever in their next collective (the seeds' most common
-hang). Like ``python -m mpi4py``: print the traceback with the rank prefix, then MPI_Abort.
-Only in the rank's own process: a forked child (a DataLoader worker) gets Python's hooks back
+hang). Like ``python -m mpi4py``: print the traceback with the rank prefix, then MPI_Abort;
+in a fault-tolerant job (ULFM), where Open MPI does not reliably pass MPI_Abort on, the rank
+ends itself instead (docs/hangs.md, "A rank killed from outside"). Only in the rank's own process: a forked child (a DataLoader worker) gets Python's hooks back
 and reports its exceptions as Python and torch do, without MPI (hpcddp.launch.process).
 """
 from __future__ import annotations

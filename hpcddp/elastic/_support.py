@@ -23,15 +23,12 @@ class ElasticUnsupportedError(RuntimeError):
     """Elastic mode asked for on an MPI (or a launch) that cannot survive a lost rank."""
 
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def support_problem(env=None) -> str | None:
     """Why elastic mode cannot run in this job, or None when it can."""
+    from hpcddp import settings
     from hpcddp.comm import startup
     from hpcddp.comm._mpi import MPI
-    from hpcddp import settings
+    from hpcddp.diagnostics.abort import fault_tolerant_job
     s = settings.get() if env is None else settings.read(env)
     env = os.environ if env is None else env
     if s.elastic == "force":
@@ -42,7 +39,7 @@ def support_problem(env=None) -> str | None:
                 f"(ULFM needs mpi4py >= 4.0): pip install 'mpi4py>=4'")
     lib = startup._mpi_library()[0]
     if lib == "Open MPI":
-        if not _truthy(env.get("OMPI_MCA_mpi_ft_enable")):
+        if not fault_tolerant_job(env):
             return ("Open MPI runs this job without fault tolerance, so one lost rank ends "
                     "the whole job: start it with `mpirun --with-ft ulfm ...` (what `hpcddp "
                     "demo --elastic` does; in a Slurm job too, instead of srun: "

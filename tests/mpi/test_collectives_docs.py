@@ -33,6 +33,10 @@ def examples(path=DOC):
 
 def run_example(code: str) -> str:
     """Run CODE on every rank; return every rank's output in rank order (on every rank)."""
+    if "init_process_group(" in code and dist.is_initialized():
+        # each example is a script of its own: its init_process_group starts the world anew
+        # (a second init raises, as torch's does)
+        dist.destroy_process_group()
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         exec(compile(code, "<example>", "exec"), {"__name__": "__main__"})
