@@ -83,6 +83,20 @@ def is_loader_worker_death(exc: BaseException) -> bool:
         m in text for m in LOADER_WORKER_DIED[1:])
 
 
+def dead_loader_workers(it) -> list[int]:
+    """PIDs of a DataLoader iterator's worker processes that have died. A worker killed while
+    the rank reads its batch shows up as whatever that read raised (an EOFError from
+    torch's file-descriptor sharing), not always as torch's "worker exited" error."""
+    dead = []
+    for w in getattr(it, "_workers", None) or ():
+        try:
+            if not w.is_alive() and w.exitcode not in (None, 0):
+                dead.append(w.pid)
+        except (AssertionError, ValueError):   # not our child, or closed
+            pass
+    return dead
+
+
 def leave(why: str) -> None:
     """End this rank as a lost rank (SIGKILL), after one line saying why: the survivors
     recover as from any lost rank. Used when this rank cannot go on but the job can."""
@@ -218,11 +232,14 @@ class State:
                 self._maybe_die("data")
                 try:
                     batch = next(it)
-                except RuntimeError as exc:
-                    if is_loader_worker_death(exc):
+                except Exception as exc:
+                    dead = dead_loader_workers(it)
+                    if is_loader_worker_death(exc) or dead:
                         # its half-read batch is gone, and a new iterator would not start
                         # where the others are: leaving keeps every rank in the same step
-                        leave(str(exc))
+                        leave(str(exc) if is_loader_worker_death(exc) else
+                              f"DataLoader worker (pid(s) {', '.join(map(str, dead))}) exited "
+                              f"unexpectedly ({type(exc).__name__} while its batch was read)")
                     raise
                 self._failed, self._stepped = None, False
                 yield batch
