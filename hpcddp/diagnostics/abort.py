@@ -34,7 +34,7 @@ def _abort_with(exc_type, exc, tb) -> None:
         # torch's DataLoader raises from its SIGCHLD handler when a worker died: raised
         # again here, it would skip the report below
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    text = "".join(traceback.format_exception(exc_type, exc, tb)) + _dead_loader_workers()
     try:
         try:
             sys.stdout.flush()
@@ -83,6 +83,21 @@ def fault_tolerant_job(env=None) -> bool:
     """Whether this job runs with ULFM on (Open MPI's ``mpirun --with-ft ulfm`` sets it)."""
     value = (os.environ if env is None else env).get("OMPI_MCA_mpi_ft_enable", "")
     return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _dead_loader_workers() -> str:
+    """torch's line for a DataLoader worker of this process that died, if any: a worker killed
+    while its batch was read surfaces as whatever that read raised (an EOFError), and the
+    report should still name the worker."""
+    torch_c = getattr(sys.modules.get("torch"), "_C", None)
+    check = getattr(torch_c, "_error_if_any_worker_fails", None)
+    if check is None:
+        return ""
+    try:
+        check()
+    except Exception as exc:  # noqa: BLE001 - torch says which worker, how
+        return f"(and: {exc})\n"
+    return ""
 
 
 def _restore_hooks_in_child() -> None:
