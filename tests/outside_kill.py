@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
@@ -43,7 +42,7 @@ def job_processes(tag: str) -> list[int]:
     return found
 
 
-def _environ(pid: int) -> dict:
+def environ_of(pid: int) -> dict:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             items = f.read().split(b"\0")
@@ -52,7 +51,7 @@ def _environ(pid: int) -> dict:
     return dict(i.decode(errors="replace").split("=", 1) for i in items if b"=" in i)
 
 
-def _ppid(pid: int) -> int:
+def parent_of(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[1])
@@ -60,7 +59,7 @@ def _ppid(pid: int) -> int:
         return -1
 
 
-def _comm(pid: int) -> str:
+def name_of(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:
             return f.read().strip()
@@ -109,9 +108,9 @@ class Job:
         """{rank: pid} of the MPI processes (children of the launcher's daemon)."""
         out = {}
         for pid in job_processes(self.tag):
-            env = _environ(pid)
+            env = environ_of(pid)
             r = env.get("OMPI_COMM_WORLD_RANK", env.get("PMIX_RANK"))
-            if r is not None and _comm(_ppid(pid)) in ("prterun", "prted", "mpirun",
+            if r is not None and name_of(parent_of(pid)) in ("prterun", "prted", "mpirun",
                                                         "slurmstepd"):
                 out[int(r)] = pid
         return out
@@ -119,7 +118,7 @@ class Job:
     def workers(self, rank: int) -> list[int]:
         """PIDs of the processes RANK's process forked (its DataLoader workers)."""
         parent = self.ranks()[rank]
-        return sorted(p for p in job_processes(self.tag) if _ppid(p) == parent)
+        return sorted(p for p in job_processes(self.tag) if parent_of(p) == parent)
 
     def kill(self, pid: int, what: str, sig: int = signal.SIGKILL) -> None:
         os.kill(pid, sig)
@@ -130,16 +129,6 @@ class Job:
         pid = self.ranks()[rank]
         self.kill(pid, f"rank {rank}")
         return pid
-
-    def kill_worker(self, rank: int, within: float = 30.0) -> int:
-        end = time.monotonic() + within
-        while time.monotonic() < end:
-            workers = self.workers(rank)
-            if workers:
-                self.kill(workers[0], f"worker of rank {rank}")
-                return workers[0]
-            time.sleep(0.05)
-        raise AssertionError(f"rank {rank} has no DataLoader worker:\n{self.output()[-3000:]}")
 
     def finish(self) -> tuple[int, str, float | None]:
         """Wait for mpirun (at most what is left of TIMEOUT). Returns (exit status, output,
@@ -162,7 +151,7 @@ class Job:
             if not left or time.monotonic() > end:
                 break
             time.sleep(0.1)
-        described = [f"{p} ({_comm(p)}, parent {_ppid(p)})" for p in left]
+        described = [f"{p} ({name_of(p)}, parent {parent_of(p)})" for p in left]
         self.cleanup()
         return described
 
@@ -181,6 +170,3 @@ class Job:
         except subprocess.TimeoutExpired:
             pass
 
-
-def python() -> str:
-    return sys.executable

@@ -6,9 +6,11 @@ so the marker scan of tests/outside_kill.py sees every node's processes). Skips 
 test_jobs_slurm.py does.
 """
 import json
+import os
 import pathlib
 import re
 import shlex
+import signal
 import sys
 import time
 import uuid
@@ -16,7 +18,7 @@ import uuid
 import pytest
 
 from hpcddp.launch.templates import render
-from outside_kill import MARK, _comm, _environ, _ppid, job_processes
+from outside_kill import MARK, environ_of, job_processes, name_of, parent_of
 from test_elastic import needs_ulfm
 from test_jobs_slurm import Job as SlurmJob, sh, slurm  # noqa: F401
 
@@ -37,9 +39,9 @@ def _batch(out: pathlib.Path, tag: str, elastic: bool, tasks_per_node: int, args
 
 def _rank_pid(tag: str, rank: int) -> int:
     for pid in job_processes(tag):
-        env = _environ(pid)
+        env = environ_of(pid)
         r = env.get("OMPI_COMM_WORLD_RANK", env.get("PMIX_RANK"))
-        if r == str(rank) and _comm(_ppid(pid)) in ("slurmstepd", "prted", "prterun"):
+        if r == str(rank) and name_of(parent_of(pid)) in ("slurmstepd", "prted", "prterun"):
             return pid
     raise AssertionError(f"no process of rank {rank} in job {tag}")
 
@@ -54,8 +56,6 @@ def _run(tmp_path, elastic, tasks_per_node, args, target):
     job.wait(lambda recs: re.search(rf"\[rank{target}\] AT PHASE", job.logs()) or (
         recs and recs[0].get("JobState") not in ("PENDING", "RUNNING")),
         timeout=300, what="to reach the phase", poll=0.2)
-    import os
-    import signal
     os.kill(_rank_pid(tag, target), signal.SIGKILL)
     t_kill = time.monotonic()
     recs = job.wait(timeout=400)

@@ -114,7 +114,7 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
     proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env),
                             start_new_session=True)
     previous = None
-    if threading_is_main():
+    if _in_main_thread():
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return proc.wait(timeout=timeout)
@@ -144,7 +144,7 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
-def threading_is_main() -> bool:
+def _in_main_thread() -> bool:
     import threading
     return threading.current_thread() is threading.main_thread()
 
