@@ -8,6 +8,7 @@ and reports its exceptions as Python and torch do, without MPI (hpcddp.launch.pr
 """
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import signal
@@ -130,6 +131,19 @@ def install_abort_on_exception() -> None:
     sys.excepthook = hook
     threading.excepthook = thread_hook
     process.on_fork_child(_restore_hooks_in_child)
+    atexit.register(_abort_if_an_exception_escaped)    # runs before MPI's finalize (LIFO)
+
+
+def _abort_if_an_exception_escaped() -> None:
+    """At exit after an uncaught exception whose hook never reached ours: torch's DataLoader
+    raises from its SIGCHLD handler inside whichever hook runs when a worker dies (seen: inside
+    torch.distributed's excepthook, before it called ours), Python prints "Error in
+    sys.excepthook" and goes on to exit, and MPI's finalize would wait for the others while
+    they wait in their next collective for this rank."""
+    exc = getattr(sys, "last_value", None)    # Python sets it for an uncaught exception only
+    if exc is None or not process.in_rank_process():
+        return
+    _abort_with(type(exc), exc, exc.__traceback__)
 
 
 def install_rank_prefixed_excepthook() -> None:

@@ -64,6 +64,12 @@ CASES = [
              r"\[rank2\] ValueError: corrupt sample in batch 3",
              r"MPI_ABORT was invoked on rank 2",
          )),
+    Case("exception_abort_hook_raises", "exception_rank.py", 4, args=("abort-hook-raises",),
+         rc=(1,), report=False, no_report=True, expect=(
+             r"\[rank2\] uncaught exception, aborting the job",
+             r"\[rank2\] ValueError: corrupt sample in batch 3",
+             r"MPI_ABORT was invoked on rank 2",
+         )),
     Case("exception_no_abort", "exception_rank.py", 4, expect=(
         r"ranks 0,1,3 have waited [\d.]+ s in all_reduce #3 \(shape=\[8\], float32\) on WORLD",
         r"rank 2 has not called all_reduce #3 on WORLD: it is in hpcddp's finalize: its script "

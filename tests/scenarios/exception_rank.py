@@ -3,6 +3,9 @@
 argv[1] == "abort": hpcddp.init(abort_on_exception=True): the job ends at once, exit code 1,
 with rank 2's traceback. Otherwise rank 2's script ends with the exception (Python prints it
 and runs hpcddp's finalize) while the others wait in all_reduce: the stall report names it.
+argv[1] == "abort-hook-raises": as "abort", with an excepthook in front of hpcddp's that raises
+before it calls hpcddp's (as torch's DataLoader does when a worker dies: its SIGCHLD handler
+raises inside whichever hook runs): the job still ends at once, naming the exception.
 """
 import sys
 import time
@@ -11,9 +14,18 @@ import torch
 
 import hpcddp
 
-rt = hpcddp.init(abort_on_exception=len(sys.argv) > 1 and sys.argv[1] == "abort")
+mode = sys.argv[1] if len(sys.argv) > 1 else ""
+rt = hpcddp.init(abort_on_exception=mode.startswith("abort"))
 rank = rt.world.rank
 bad = min(2, rt.world.size - 1)
+if mode == "abort-hook-raises":
+    hpcddp_hook = sys.excepthook
+
+    def interrupted_hook(*args):
+        raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed.")
+        hpcddp_hook(*args)      # never reached
+
+    sys.excepthook = interrupted_hook
 
 
 def load_batch(step):
