@@ -13,7 +13,7 @@
 A script that reads ``os.environ["LOCAL_RANK"]`` before importing anything finds it under
 mpirun and srun (hpcddp/launch/torchrun_env.py says what is set and why). Outside a job this
 costs one look at six environment variables. Under a launcher it loads hpcddp.launch's pure
-modules without running hpcddp's ``__init__`` (which imports torch), then forgets them, so that
+modules without running hpcddp's ``__init__`` (which sets up the backend's registration), then forgets them, so that
 the script's own ``import hpcddp`` starts from scratch. It never imports MPI or torch and never
 raises: a problem is left for ``hpcddp.init`` to report.
 """

@@ -1,11 +1,17 @@
 """hpcddp: MPI-backed HPC training toolkit for PyTorch.
 
-Importing hpcddp registers the torch.distributed backend "hpcddp" and starts nothing: MPI
-starts in :func:`init` (or :func:`init_process_group`, or the first op).
+Importing hpcddp starts nothing and imports no torch: MPI starts in :func:`init` (or
+:func:`init_process_group`, or the first op). The torch.distributed backend "hpcddp" is
+registered by torch itself when it is imported (hpcddp's ``torch.backends`` entry point, torch's
+plugin autoload), or here at once when torch was imported first; so ``import hpcddp`` and then
+``dist.init_process_group("hpcddp")`` work in either order, and ``hpcddp stage``/``pack`` never
+load torch (thousands of ranks importing it from a shared file system is a start-up storm).
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 
 from hpcddp._version import __version__
 
@@ -52,6 +58,8 @@ def __getattr__(name):
 
 
 def _register_backend() -> None:
+    """torch's autoload entry point (pyproject.toml: ``torch.backends``), and ``import hpcddp``
+    after torch: register the backend "hpcddp" (idempotent, no MPI)."""
     try:
         from hpcddp.backend import register
     except ImportError:  # torch without distributed support: the rest of hpcddp still imports
@@ -59,7 +67,30 @@ def _register_backend() -> None:
     register()
 
 
-_register_backend()
+class _RegisterAfterTorch:
+    """An import hook, until torch is imported: registers the backend once torch's own import
+    has run, where torch's autoload does not reach hpcddp (TORCH_DEVICE_BACKEND_AUTOLOAD=0, a
+    source tree on PYTHONPATH with no installed metadata, an older egg-info shadowing it)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)     # where the other finders find torch
+        if spec is not None and spec.loader is not None:
+            load = spec.loader.exec_module
+
+            def exec_module(module):
+                load(module)
+                _register_backend()
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+if "torch" in sys.modules:      # torch came first (or is being imported, autoloading us)
+    _register_backend()
+else:
+    sys.meta_path.insert(0, _RegisterAfterTorch())
 
 
 def _torchrun_vars() -> None:

@@ -9,4 +9,4 @@ export OMP_NUM_THREADS=1
 echo "[test] mkdocs build --strict"
 mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 echo "[test] pytest"
-exec python -m pytest "$@"
+exec python -m pytest --durations=25 "$@"

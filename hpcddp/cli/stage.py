@@ -71,7 +71,7 @@ def run(args) -> int:
                       prefix="[rank0] ")
     from hpcddp.comm import init, log, world
     from hpcddp.data.staging import StageError, stage, write_json
-    init()
+    init(set_cuda_device=False)      # no torch: thousands of ranks importing it is a storm
     rank = world().rank
     try:
         # bars only on a terminal: in a job's log, the summary lines say what each phase did

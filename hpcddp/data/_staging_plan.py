@@ -133,7 +133,9 @@ class Job:
 def job_layout(group_nodes: int | None, strategy: str, chunk_bytes: int) -> Job:
     """Start MPI if needed; the node groups and the strategy "auto" stands for (all ranks)."""
     import hpcddp.comm as hc
-    rt = hc.init()
+    # no CUDA device picked here: that imports torch, which staging never needs (a training
+    # script's own later hpcddp.init() or init_process_group picks it)
+    rt = hc.init(set_cuda_device=False)
     topo = rt.topology
     k = min(group_nodes or topo.num_nodes, topo.num_nodes)
     if strategy == "auto":

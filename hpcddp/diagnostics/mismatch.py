@@ -160,10 +160,6 @@ def mismatch_message(group: str, world_ranks, rows) -> str:
 AGREE_BYTES = 8 << 20
 AGREE_FREE = SHAPE_FREE | {"gather", "scatter"}   # per-rank sizes that may differ by design
 A_OP, A_SEQ, A_COUNT, A_DTYPE, A_RED, A_ROOT = range(6)
-try:
-    from torch import Size as _Size
-except ImportError:          # the diagnostics read reports without torch too
-    _Size = None
 
 
 def _agree_row(op: str, seq: int, count: int, dtype, red, peer) -> list:
@@ -183,7 +179,7 @@ def agreed_start(comm, op: str, shape=None, dtype=None, peer=None, red=None) -> 
     of every rank on the call (default mode; RED: the reduce op's kind, for reductions)."""
     entry = _start(comm, op, shape, dtype, peer)
     if dtype is not None and shape is not None:     # the cheap tests first: this runs per op
-        count = shape.numel() if type(shape) is _Size else _count(shape)
+        count = shape.numel() if hasattr(shape, "numel") else _count(shape)   # torch.Size
         if count * dtype.itemsize >= AGREE_BYTES and comm.size > 1 and op not in AGREE_FREE:
             _agree(comm, entry, _agree_row(op, entry[_rec.SEQ], count, dtype, red, peer))
     return entry
@@ -229,7 +225,7 @@ def agreement(comm, entry, red=None):
     check = _hashes.get(key)
     if check is None:
         shape, dtype = entry[_rec.SHAPE], entry[_rec.DTYPE]
-        count = shape.numel() if type(shape) is _Size else _count(shape)
+        count = shape.numel() if hasattr(shape, "numel") else _count(shape)   # torch.Size
         if count * dtype.itemsize >= AGREE_BYTES:
             return None
         if len(_hashes) >= 4096:

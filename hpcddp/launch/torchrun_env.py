@@ -12,7 +12,7 @@ When, so that a script that reads them before anything else finds them:
 1. at interpreter start: the wheel installs ``hpcddp-start.pth``, whose one line
    imports the top-level ``_hpcddp_start``; that returns at once unless one of an
    MPI launcher's variables is set (:data:`LAUNCHER_MARKERS`), and then runs :func:`export`
-   from this module without importing hpcddp's package (which imports torch);
+   from this module without importing hpcddp's package;
 2. at ``import hpcddp`` (for an installation without the .pth: ``PYTHONPATH``, a copied tree);
 3. after MPI started (:func:`export_after_start`): the values only MPI knows (Open MPI puts
    no node index in the environment, PMIx alone no size) fill what is still missing.
