@@ -35,7 +35,7 @@ def _abort_with(exc_type, exc, tb) -> None:
         # torch's DataLoader raises from its SIGCHLD handler when a worker died: raised
         # again here, it would skip the report below
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    text = "".join(traceback.format_exception(exc_type, exc, tb)) + _dead_loader_workers()
+    text = "".join(traceback.format_exception(exc_type, exc, tb)) + _dead_loader_workers(exc)
     try:
         try:
             sys.stdout.flush()
@@ -86,19 +86,29 @@ def fault_tolerant_job(env=None) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
-def _dead_loader_workers() -> str:
+# A killed worker's sockets close before it becomes a zombie: the batch read it cut can raise
+# (EOFError, ConnectionResetError) before torch's check sees the worker dead
+CUT_READ_ERRORS = (EOFError, ConnectionError)
+WORKER_EXIT_WAIT_S = 1.0
+
+
+def _dead_loader_workers(exc=None) -> str:
     """torch's line for a DataLoader worker of this process that died, if any: a worker killed
-    while its batch was read surfaces as whatever that read raised (an EOFError), and the
-    report should still name the worker."""
+    while its batch was read surfaces as whatever that read raised, and the report should
+    still name the worker (after such an EXC, waiting up to WORKER_EXIT_WAIT_S for its exit)."""
     torch_c = getattr(sys.modules.get("torch"), "_C", None)
     check = getattr(torch_c, "_error_if_any_worker_fails", None)
     if check is None:
         return ""
-    try:
-        check()
-    except Exception as exc:  # noqa: BLE001 - torch says which worker, how
-        return f"(and: {exc})\n"
-    return ""
+    deadline = time.monotonic() + (WORKER_EXIT_WAIT_S if isinstance(exc, CUT_READ_ERRORS) else 0)
+    while True:
+        try:
+            check()
+        except Exception as died:  # noqa: BLE001 - torch says which worker, how
+            return f"(and: {died})\n"
+        if time.monotonic() >= deadline:
+            return ""
+        time.sleep(0.01)
 
 
 def _restore_hooks_in_child() -> None:

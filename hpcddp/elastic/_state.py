@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from hpcddp.diagnostics.abort import CUT_READ_ERRORS, WORKER_EXIT_WAIT_S
 from hpcddp.elastic import _inject
 from hpcddp.elastic._sampler import ElasticBatchSampler
 from hpcddp.elastic._support import check_support
@@ -83,18 +84,23 @@ def is_loader_worker_death(exc: BaseException) -> bool:
         m in text for m in LOADER_WORKER_DIED[1:])
 
 
-def dead_loader_workers(it) -> list[int]:
+def dead_loader_workers(it, exc: BaseException | None = None) -> list[int]:
     """PIDs of a DataLoader iterator's worker processes that have died. A worker killed while
-    the rank reads its batch shows up as whatever that read raised (an EOFError from
-    torch's file-descriptor sharing), not always as torch's "worker exited" error."""
-    dead = []
-    for w in getattr(it, "_workers", None) or ():
-        try:
-            if not w.is_alive() and w.exitcode not in (None, 0):
-                dead.append(w.pid)
-        except (AssertionError, ValueError):   # not our child, or closed
-            pass
-    return dead
+    the rank reads its batch shows up as whatever that read raised (an EOFError or a
+    ConnectionResetError from torch's file-descriptor sharing), not always as torch's "worker
+    exited" error; after such an EXC, waits up to WORKER_EXIT_WAIT_S for the worker's exit."""
+    deadline = time.monotonic() + (WORKER_EXIT_WAIT_S if isinstance(exc, CUT_READ_ERRORS) else 0)
+    while True:
+        dead = []
+        for w in getattr(it, "_workers", None) or ():
+            try:
+                if not w.is_alive() and w.exitcode not in (None, 0):
+                    dead.append(w.pid)
+            except (AssertionError, ValueError):   # not our child, or closed
+                pass
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.01)
 
 
 def leave(why: str) -> None:
@@ -233,7 +239,7 @@ class State:
                 try:
                     batch = next(it)
                 except Exception as exc:
-                    dead = dead_loader_workers(it)
+                    dead = dead_loader_workers(it, exc)
                     if is_loader_worker_death(exc) or dead:
                         # its half-read batch is gone, and a new iterator would not start
                         # where the others are: leaving keeps every rank in the same step

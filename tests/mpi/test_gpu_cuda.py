@@ -23,6 +23,7 @@ from hpcddp.collectives._gpu_staging import PinnedPool, Staging
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU; CI has none")
 MPI_TIMEOUT = 500
+MPI_NEEDS_CUDA = True      # tests/test_mpi_suites.py skips it without a GPU
 R = dist.ReduceOp
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
