@@ -80,8 +80,10 @@ def shard_name(index: int, storage: str) -> str:
 
 
 def partial_name(name: str) -> str:
-    """The temporary name a shard is written under before it is verified and renamed."""
-    return f".{name}{PARTIAL_SUFFIX}"
+    """The temporary name a shard (or a staged file: ``name`` may be a relative path
+    ``a/b/f``) is written under, in the same directory, before it is verified and renamed."""
+    head, base = os.path.split(name)
+    return os.path.join(head, f".{base}{PARTIAL_SUFFIX}")
 
 
 class Manifest:
