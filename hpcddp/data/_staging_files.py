@@ -91,7 +91,7 @@ def list_tree(src: str) -> tuple[list[str], list[tuple]]:
     while todo:
         rel = todo.pop()
         with os.scandir(os.path.join(src, rel)) as it:
-            entries = list(it)
+            entries = sorted(it, key=lambda e: e.name)   # the same first problem every run
         names = {e.name for e in entries}
         for e in entries:
             path = f"{rel}/{e.name}" if rel else e.name
@@ -117,7 +117,7 @@ def list_tree(src: str) -> tuple[list[str], list[tuple]]:
                                 f"sockets, devices) are refused: they hold no data to copy; "
                                 f"remove it or stage a directory without it")
     if problems:
-        more = f" (and {len(problems) - 1} more refused entries)" if len(problems) > 1 else ""
+        more = f" (and {len(problems) - 1} more entries refused)" if len(problems) > 1 else ""
         raise ValueError(f"stage: files=True: {problems[0]}{more}")
     dirs.sort()
     files.sort()

@@ -211,6 +211,8 @@ def make_plan(job: Job, src: str, dest: str, mode: str, verify: str, lock_wait: 
         raw, nread = _read_manifest(job, src)
         m = mf.Manifest.from_json(raw, os.path.join(src, mf.MANIFEST))
     node_dest = _node_destination(job, dest)
+    if files:
+        _dest_outside_tree(job, src, node_dest)
     lock_s = lock_destination(job.world, job.topo, node_dest, held, lock_wait)
     if mode == "partition":
         sizes = [s.bytes for s in m.shards]
@@ -264,6 +266,16 @@ def _read_tree(job: Job, src: str) -> tuple[bytes, int]:
             raw, err = gcomm.bcast((raw, err), root=0)
     agree(job.world, err, "source")
     return raw, 0     # a listing reads metadata, no file bytes
+
+
+def _dest_outside_tree(job: Job, src: str, node_dest: str) -> None:
+    """A tree staged into itself would list its own copy on the next run: refused on all."""
+    real_src, real_dest = os.path.realpath(src), os.path.realpath(node_dest)
+    err = None
+    if real_dest == real_src or real_dest.startswith(real_src.rstrip(os.sep) + os.sep):
+        err = (f"files=True: DEST {node_dest} on node {job.topo.node} is inside SRC {src}: the "
+               f"copy would become part of the tree it copies; stage to a directory outside it")
+    agree(job.world, err, "destination")
 
 
 def _node_destination(job: Job, dest: str) -> str:

@@ -90,7 +90,8 @@ def main() -> int:
     counts = world.allgather(len(here))
     assert sum(counts) == nfiles and (nodes == 1 or min(counts) > 0), counts
 
-    # 5. refused, on every rank with the same message, nothing written: a link, a FIFO
+    # 5. refused, on every rank with the same message, nothing written: a link, a FIFO, a
+    #    destination inside the tree
     for bad, what in ((src + "-link", "is a symbolic link (to '../big')"),
                       (src + "-fifo", "is a FIFO (named pipe)")):
         try:
@@ -100,6 +101,12 @@ def main() -> int:
             assert what in str(exc), str(exc)
             assert len(set(world.allgather(str(exc)))) == 1
         assert not os.path.exists(os.path.join(work, f"bad-{node}", mf.STAGING))
+    try:
+        stage(src, os.path.join(src, "copy-{node}"), files=True, progress=False)
+        raise AssertionError("a tree was staged into itself")
+    except StageError as exc:
+        assert "is inside SRC" in str(exc), str(exc)
+    assert not os.path.exists(os.path.join(src, f"copy-{node}"))
 
     # 6. a file changed between the listing and its read: named, nothing READY, then a re-run
     listing, changing = ft.list_tree, os.path.join(src, "big", "large-0.bin")
