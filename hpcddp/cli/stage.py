@@ -47,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", choices=("auto", "full", "size"), default="auto",
                         help="shards already in DEST: auto hashes those that READY (for this "
                              "manifest) does not vouch for, or that changed (size, mtime, "
-                             "ctime, inode) since READY; full always hashes; size only stats")
+                             "ctime, inode) since READY; full always hashes; size only stats. "
+                             "--files: auto keeps files with the source's size and mtime, full "
+                             "copies every file again")
     parser.add_argument("--lock-wait", type=float, default=1800.0, metavar="SECONDS",
                         help="one stager per destination: wait this long for another stager "
                              "holding DEST's lock (rank 0 says whom: host, pid, job), then fail; "

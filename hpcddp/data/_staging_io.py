@@ -221,7 +221,8 @@ class Sink:
         if err is None and st.reader_status:
             err = f"{sh.name}: {st.reader_status}"
         if err is None and st.written != sh.bytes:
-            err = f"{sh.name}: wrote {st.written} bytes, the {'listing' if self.files else 'manifest'} says {sh.bytes}"
+            err = (f"{sh.name}: wrote {st.written} bytes, the "
+                   f"{'listing' if self.files else 'manifest'} says {sh.bytes}")
         if err is None and self.files and st.hasher.hexdigest() != st.sent_crc:
             err = (f"{sh.name}: the bytes written have CRC-32C {st.hasher.hexdigest()}, the "
                    f"bytes read from the source {st.sent_crc}: corrupted on the way (network, "
@@ -366,7 +367,8 @@ class Reader(threading.Thread):
         st = os.fstat(fh.fileno())
         if self.files:
             if not stat.S_ISREG(st.st_mode):
-                self._status[s] = f"{path} is no longer a regular file (replaced since it was listed)"
+                self._status[s] = (f"{path} is no longer a regular file (replaced since it "
+                                   f"was listed)")
             else:
                 self._check_unchanged(s, fh, st)
         elif st.st_size != sh.bytes:

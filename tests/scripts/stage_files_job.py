@@ -42,7 +42,7 @@ def same_tree(src: str, dst: str) -> None:
 
 def main() -> int:
     src, work = sys.argv[1], sys.argv[2]
-    rt = hpcddp.init(set_cuda_device=False)
+    rt = hpcddp.init(set_cuda_device=False, abort_on_exception=True)
     world, node, nodes = rt.world.mpi, rt.topology.node, rt.topology.num_nodes
     rank = world.Get_rank()
     dirs, files = ft.list_tree(src)
