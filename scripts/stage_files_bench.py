@@ -1,7 +1,11 @@
 """`hpcddp stage --files` beside packed staging and `cp -r`, on the same data (not run in CI).
 
-    python scripts/stage_files_bench.py --files 100000 --size 1K --rounds 5
-    python scripts/stage_files_bench.py --files 64 --size 4M --rounds 5
+    python scripts/stage_files_bench.py --files 100000 --size 1K --rounds 5 --dest /dev/shm/sfb
+    python scripts/stage_files_bench.py --files 64 --size 4M --rounds 5 --dest /dev/shm/sfb
+
+The source lives in the work directory (--dir; a disk), the copies under --dest (default: the
+work directory too; node-local storage is often a tmpfs such as /dev/shm, and creating a
+file costs far more on some disks than on tmpfs, for cp as for the stager).
 
 Builds a tree of FILES random files of SIZE bytes (100 files per directory), packs it once
 (`hpcddp pack`, timed apart: a one-time cost), then in interleaved rounds whose order rotates,
@@ -112,10 +116,12 @@ def main() -> int:
     ap.add_argument("--np", type=int, default=2, help="ranks = emulated nodes (default 2)")
     ap.add_argument("--rounds", type=int, default=5, help="the first is discarded")
     ap.add_argument("--dir", help="work directory (default: a new one under /tmp, removed)")
+    ap.add_argument("--dest", help="where the copies go (default: DIR/dest), removed after")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     work = args.dir or tempfile.mkdtemp(prefix="stage-files-bench-")
-    src, packed, dest = (os.path.join(work, n) for n in ("src", "packed", "dest"))
+    src, packed = os.path.join(work, "src"), os.path.join(work, "packed")
+    dest = args.dest or os.path.join(work, "dest")
     try:
         t = time.perf_counter()
         make_tree(src, args.files, args.size)
@@ -150,8 +156,9 @@ def main() -> int:
                         got = tree_stats(f"{dest}/{m}-{n}")
                         assert got == (nfiles, nbytes), (m, n, got, nfiles, nbytes)
         rows = []
-        print(f"\n{nfiles} files of {args.size} B ({nbytes / 1e6:.1f} MB) to {args.np} emulated "
-              f"nodes; load average {os.getloadavg()[0]:.1f}; `hpcddp pack` once: {pack_s:.1f} s\n")
+        print(f"\n{nfiles} files of {args.size} B ({nbytes / 1e6:.1f} MB) from {work} to "
+              f"{args.np} emulated nodes in {dest}; load average {os.getloadavg()[0]:.1f}; "
+              f"`hpcddp pack` once: {pack_s:.1f} s\n")
         print("| method | seconds (stage call) | seconds (command) | files/s per node | MB/s per node | read from source | x data set |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         for m in methods:
@@ -168,6 +175,7 @@ def main() -> int:
                 json.dump({"files": nfiles, "bytes": nbytes, "np": args.np, "pack_s": pack_s,
                            "rows": rows}, f, indent=2)
     finally:
+        shutil.rmtree(dest, ignore_errors=True)
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     return 0

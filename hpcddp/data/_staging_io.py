@@ -131,9 +131,12 @@ class Sink:
         st = self.out.get(s)
         if st is None:
             sh = self.shards[s]
-            st = _ShardOut(sh, os.path.join(self.dest, sh.name),
-                           os.path.join(self.dest, mf.partial_name(sh.name) + self.suffix),
-                           self.files)
+            # string joins, not os.path: this runs once per file on the thread that feeds
+            # MPI, and a tree may have 100,000 files (names are relative, never absolute)
+            head, _, base = sh.name.rpartition("/")
+            partial = f"{self.dest}/{head}/.{base}{mf.PARTIAL_SUFFIX}{self.suffix}" if head \
+                else f"{self.dest}/.{base}{mf.PARTIAL_SUFFIX}{self.suffix}"
+            st = _ShardOut(sh, f"{self.dest}/{sh.name}", partial, self.files)
             self.out[s] = st
         return st
 
