@@ -181,12 +181,12 @@ def inspect_files(dest: str, tree: FileTree, need: list[int], verify: str, raw: 
             if os.path.basename(f.name) not in present:
                 todo.append(s)
                 continue
-            p = os.path.join(dest, f.name)
+            p = f"{dest}/{f.name}"
             st = os.lstat(p)
             ok = stat.S_ISREG(st.st_mode) and st.st_size == f.bytes and verify != "full"
             if ok and verify == "auto":
                 ok = st.st_mtime_ns == f.mtime_ns and (
-                    f.name not in recorded or mf.stat_matches(p, recorded[f.name], ready_ns))
+                    f.name not in recorded or mf.stat_matches(p, recorded[f.name], ready_ns, st))
             if ok:
                 have.append(s)
                 continue
