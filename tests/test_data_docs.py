@@ -1,4 +1,5 @@
-"""docs/data.md runs as written: its pack commands, its stage command and its Python examples.
+"""docs/data.md runs as written: its pack commands, its stage commands (packed and --files) and
+its Python examples.
 
 The page's blocks are taken from the page itself, in order, and run in a temporary directory
 the way a reader would paste them (bash blocks with bash, the stage command under its own
@@ -90,6 +91,18 @@ def test_data_page_examples_run(tmp_path):
     for node in (0, 1):
         assert (tmp_path / f"staged-{node}" / "images" / "READY").exists()
 
+    # 2b. the plain tree (--files): the folder packed in step 1, as it is
+    tree_sh = next(c for k, c in blocks if k == "bash" and "hpcddp stage --files images" in c)
+    res = bash(tree_sh)
+    shown = next(c for k, c in blocks if k == "text" and "[rank0] staged 100 files" in c)
+    first = [line for line in res.stdout.splitlines() if line.startswith("[rank0] staged")]
+    assert first == shown.splitlines()[:1], (first, shown)
+    assert "(200 file copies, 0 already in place)" in res.stdout, res.stdout
+    for node in (0, 1):
+        assert (tmp_path / f"staged-tree-{node}" / "images" / "READY").exists()
+        assert (tmp_path / f"staged-tree-{node}" / "images" / "cat" / "007.bin").read_bytes() == \
+            (tmp_path / "images" / "cat" / "007.bin").read_bytes()
+
     # 3. the Python examples: stage, train loop, exact evaluation, as one script on 2 ranks
     py = [c for k, c in blocks if k == "python" and "packed-items" not in c and "h5py" not in c]
     script = tmp_path / "stage_and_read.py"
@@ -100,5 +113,6 @@ def test_data_page_examples_run(tmp_path):
         env, HPCDDP_RANKS_PER_NODE="1", HPCDDP_TIMEOUT="30"), cwd=str(tmp_path))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "(0 shard copies, 14 already in place)" in res.stdout   # staged by step 2
+    assert "staged 100 files" in res.stdout                        # the tree, by step 2b
     counts = [line.split() for line in res.stdout.splitlines() if re.fullmatch(r"\d+ \d+", line)]
     assert counts == [["100", "100"], ["100", "100"]], res.stdout   # each sample counted once

@@ -72,3 +72,16 @@ def test_stage_under_mpirun_never_imports_torch(tmp_path, nprocs):
     assert res.stdout.count("torch_free: no torch module loaded") == nprocs, \
         res.stdout + res.stderr
     assert all((tmp_path / f"dst-{n}" / "READY").exists() for n in range(nprocs))
+
+
+def test_stage_files_under_mpirun_never_imports_torch(tmp_path):
+    root = tmp_path / "files"
+    for i in range(40):
+        (root / f"class{i % 3}").mkdir(parents=True, exist_ok=True)
+        (root / f"class{i % 3}" / f"f{i:03d}.bin").write_bytes(os.urandom(3000))
+    res = run_mpi(2, TORCH_FREE + ["stage", "--files", str(root), str(tmp_path / "dst-{node}"),
+                                   "--no-progress"], timeout=TIMEOUT, env=_env())
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("torch_free: no torch module loaded") == 2, res.stdout + res.stderr
+    assert "[rank0] staged 40 files" in res.stdout, res.stdout
+    assert all((tmp_path / f"dst-{n}" / "READY").exists() for n in range(2))

@@ -1,5 +1,5 @@
-"""`hpcddp stage`: copy a packed data set to node-local storage, reading the source once per
-node group (run it on every rank of the job)."""
+"""`hpcddp stage`: copy a packed data set (or, with --files, any directory tree) to node-local
+storage, reading the source once per node group (run it on every rank of the job)."""
 import argparse
 
 DESCRIPTION = """\
@@ -13,6 +13,10 @@ one waits for the first (--lock-wait), and takes over a lock whose holder died.
     srun hpcddp stage /lustre/me/images.lmdb '$SLURM_TMPDIR/images'
     mpirun -n 8 hpcddp stage /lustre/me/d /dev/shm/d --mode partition --group-nodes 4
     HPCDDP_RANKS_PER_NODE=2 mpirun -n 4 hpcddp stage ./d '/tmp/d-{node}' --json -
+    srun hpcddp stage --files /lustre/me/h5files '$SLURM_TMPDIR/h5files'
+
+--files stages a plain directory tree as it is (no packing): each file is checked against
+the CRC-32C computed where it was read; symbolic links and special files are refused.
 
 DEST may use $VARS ($SLURM_TMPDIR; quote it so the shell of each node expands nothing early),
 {node} (node index: needed when emulated nodes share one disk) and {host}.
@@ -21,8 +25,12 @@ DEST may use $VARS ($SLURM_TMPDIR; quote it so the shell of each node expands no
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from hpcddp.cli.pack import parse_size
-    parser.add_argument("source", help="packed data set directory (shared file system)")
+    parser.add_argument("source", help="packed data set directory (shared file system); with "
+                                       "--files, any directory tree")
     parser.add_argument("dest", help="node-local directory; may contain $VARS, {node}, {host}")
+    parser.add_argument("--files", action="store_true",
+                        help="stage SOURCE as a plain directory tree, file for file (no "
+                             "manifest needed; symbolic links and special files are refused)")
     parser.add_argument("--mode", choices=("replicate", "partition"), default="replicate",
                         help="replicate: every node gets everything (default); partition: "
                              "each node of a group gets its own range of shards")
@@ -39,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", choices=("auto", "full", "size"), default="auto",
                         help="shards already in DEST: auto hashes those that READY (for this "
                              "manifest) does not vouch for, or that changed (size, mtime, "
-                             "ctime, inode) since READY; full always hashes; size only stats")
+                             "ctime, inode) since READY; full always hashes; size only stats. "
+                             "--files: auto keeps files with the source's size and mtime, full "
+                             "copies every file again")
     parser.add_argument("--lock-wait", type=float, default=1800.0, metavar="SECONDS",
                         help="one stager per destination: wait this long for another stager "
                              "holding DEST's lock (rank 0 says whom: host, pid, job), then fail; "
@@ -59,16 +69,24 @@ def run(args) -> int:
 
     from hpcddp.cli._errors import one_prefix, refuse
     from hpcddp.launch import detect
-    if not os.path.isfile(os.path.join(args.source, "manifest.json")):
+    if args.files and not os.path.isdir(args.source):
+        what = "does not exist" if not os.path.lexists(args.source) else "is not a directory"
+        problem = (f"--files: SOURCE {args.source!r} {what}; expected a directory tree (a single "
+                   f"file: stage the directory holding it)")
+    elif not args.files and not os.path.isfile(os.path.join(args.source, "manifest.json")):
+        what = "does not exist" if not os.path.exists(args.source) else \
+            "is not a packed data set (no manifest.json)"
+        problem = (f"SOURCE {args.source!r} {what}; make one with `hpcddp pack`, or stage a "
+                   f"plain directory tree with --files")
+    else:
+        problem = None
+    if problem:
         # refused before MPI starts: every rank exits 2, the launcher's rank 0 says why
         launched = detect()
         rank = launched.rank if launched is not None else 0
         if rank != 0:
             return 2
-        what = "does not exist" if not os.path.exists(args.source) else \
-            "is not a packed data set (no manifest.json)"
-        return refuse("stage", f"SOURCE {args.source!r} {what}; make one with `hpcddp pack`",
-                      prefix="[rank0] ")
+        return refuse("stage", problem, prefix="[rank0] ")
     from hpcddp.comm import init, log, world
     from hpcddp.data.staging import StageError, stage, write_json
     init(set_cuda_device=False)      # no torch: thousands of ranks importing it is a storm
@@ -78,7 +96,7 @@ def run(args) -> int:
         result = stage(args.source, args.dest, mode=args.mode, group_nodes=args.group_nodes,
                        strategy=args.strategy, chunk_bytes=args.chunk_size, verify=args.verify,
                        fsync=args.fsync, progress=not args.no_progress and sys.stderr.isatty(),
-                       lock_wait=args.lock_wait)
+                       lock_wait=args.lock_wait, files=args.files)
     except (StageError, ValueError) as exc:
         if rank == 0:
             log(f"hpcddp stage: {one_prefix('stage', str(exc))}")

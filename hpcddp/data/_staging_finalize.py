@@ -47,19 +47,25 @@ class StageResult:
     write_gbps_per_node: float         # bytes_written_per_node max / seconds
     read_gbps: float                   # bytes_read_from_source / copy-phase seconds
     dest_per_node: list = field(default_factory=list)
+    # a plain tree (files=True): num_samples and num_shards count its files, shards_copied
+    # and shards_skipped its file copies; dataset_bytes is the files' bytes
+    files: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def summary(self) -> str:
         gb = 1e9
+        what = (f"{self.num_shards} files" if self.files else
+                f"{self.num_samples} samples, {self.num_shards} shards")
+        unit = "file" if self.files else "shard"
         lines = [
-            f"staged {self.num_samples} samples, {self.num_shards} shards "
+            f"staged {what} "
             f"({self.dataset_bytes / gb:.3f} GB) to {self.nodes} node(s) in {self.groups} "
             f"group(s) of <= {self.group_nodes}: mode={self.mode} strategy={self.strategy}",
             f"  read from source: {self.bytes_read_from_source / gb:.3f} GB "
             f"({self.read_amplification:.2f}x the data set per group)",
-            f"  written: {self.bytes_written / gb:.3f} GB ({self.shards_copied} shard copies, "
+            f"  written: {self.bytes_written / gb:.3f} GB ({self.shards_copied} {unit} copies, "
             f"{self.shards_skipped} already in place)",
             f"  time: {self.seconds:.2f} s = plan {self.phases.get('plan', 0):.2f} + copy "
             f"{self.phases.get('copy', 0):.2f} + finalize {self.phases.get('finalize', 0):.2f}"
@@ -98,7 +104,7 @@ def _fail_on_copy_errors(reports: list) -> None:
     errors = [f"node {r['node']} (rank {r['rank']}): {e}" for r in reports for e in r["errors"]]
     if errors:
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-        raise StageError(f"stage: {len(errors)} shard copies failed, nothing marked {mf.READY}: "
+        raise StageError(f"stage: {len(errors)} copies failed, nothing marked {mf.READY}: "
                          + "; ".join(errors[:5]) + more)
 
 
@@ -107,7 +113,8 @@ def _write_markers(job: Job, plan: Plan, fsync: bool) -> str | None:
     node_dest = plan.node_dest
     try:
         mpath = os.path.join(node_dest, mf.MANIFEST)
-        if not _holds(mpath, plan.raw):
+        # a tree keeps no listing file: READY's manifest_sha256 identifies the listing
+        if not plan.files and not _holds(mpath, plan.raw):
             mf.write_atomic(mpath, plan.raw, fsync)
         ready = dict(plan.layout, staged=_now(), source=plan.src, strategy=job.strategy,
                      host=job.topo.hostname,
@@ -134,7 +141,7 @@ def _now() -> str:
 def _result(job: Job, plan: Plan, dest: str, chunk: int, reports: list, spans: list
             ) -> StageResult:
     m, topo, ngroups = plan.manifest, job.topo, job.groups.group_ws
-    dataset_bytes = m.total_bytes + len(plan.raw)
+    dataset_bytes = m.total_bytes + (0 if plan.files else len(plan.raw))
     per_group = [0] * ngroups
     per_node = [0] * topo.num_nodes
     dests = [""] * topo.num_nodes
@@ -166,4 +173,4 @@ def _result(job: Job, plan: Plan, dest: str, chunk: int, reports: list, spans: l
         write_gbps=written / seconds / 1e9 if seconds else 0.0,
         write_gbps_per_node=max(per_node, default=0) / seconds / 1e9 if seconds else 0.0,
         read_gbps=total_read / phases["copy"] / 1e9 if phases["copy"] else 0.0,
-        dest_per_node=dests)
+        dest_per_node=dests, files=plan.files)

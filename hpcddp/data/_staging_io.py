@@ -1,9 +1,11 @@
 """Staging, phase 2's file side: read source shards, write and check their copies.
 
-* :class:`Reader` reads one leader's planned pieces of source shards into buffer slots, one
-  chunk ahead of the MPI exchange (:mod:`hpcddp.data._staging_exchange`);
+* :class:`Reader` reads one leader's planned chunks (pieces of source shards or files, small
+  ones batched: :func:`~hpcddp.data._staging_plan.pack_chunks`) into buffer slots, one chunk
+  ahead of the MPI exchange (:mod:`hpcddp.data._staging_exchange`); for a plain tree it also
+  computes each file's CRC-32C and checks the file did not change while it was read;
 * :class:`Sink` writes and checksums the pieces a node keeps, on two threads, and renames each
-  shard once it is complete and matches the manifest;
+  shard once it is complete and matches the manifest (a tree's file: the reader's CRC-32C);
 * :func:`copy_local` copies whole shards straight from the source with no MPI (partition
   mode, one-node groups, every-rank): the kernel copies, a second thread checks.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import os
 import queue
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -82,17 +85,19 @@ def slot_pool(nbytes: int) -> "queue.Queue[Slot]":
 
 class _ShardOut:
     __slots__ = ("shard", "final", "partial", "fd", "hasher", "written", "error", "done",
-                 "lock", "reader_status")
+                 "lock", "reader_status", "sent_crc")
 
-    def __init__(self, shard: mf.Shard, final: str, partial: str):
+    def __init__(self, shard: mf.Shard, final: str, partial: str, files: bool):
         self.shard, self.final, self.partial = shard, final, partial
         self.fd = -1
-        self.hasher = mf.Checker(shard)
+        # a tree's file has no checksum in advance: CRC-32C, compared with the reader's
+        self.hasher = mf.Checker(None if files else shard)
         self.written = 0
         self.error: str | None = None
         self.done = 0
         self.lock = threading.Lock()
         self.reader_status: str | None = None
+        self.sent_crc: str | None = None
 
 
 class Sink:
@@ -102,8 +107,10 @@ class Sink:
     GIL, so they overlap with each other and with the main thread's reads and MPI calls.
     """
 
-    def __init__(self, pool: "queue.Queue[Slot]", dest: str, shards, fsync: bool, bar):
+    def __init__(self, pool: "queue.Queue[Slot]", dest: str, shards, fsync: bool, bar,
+                 files: bool = False, suffix: str = ""):
         self.pool, self.dest, self.fsync, self.bar = pool, dest, fsync, bar
+        self.files, self.suffix = files, suffix
         self.out: dict[int, _ShardOut] = {}
         self.shards = shards
         self.q_write: queue.Queue = queue.Queue()
@@ -124,13 +131,18 @@ class Sink:
         st = self.out.get(s)
         if st is None:
             sh = self.shards[s]
-            st = _ShardOut(sh, os.path.join(self.dest, sh.name),
-                           os.path.join(self.dest, mf.partial_name(sh.name)))
+            # string joins, not os.path: this runs once per file on the thread that feeds
+            # MPI, and a tree may have 100,000 files (names are relative, never absolute)
+            head, _, base = sh.name.rpartition("/")
+            partial = f"{self.dest}/{head}/.{base}{mf.PARTIAL_SUFFIX}{self.suffix}" if head \
+                else f"{self.dest}/.{base}{mf.PARTIAL_SUFFIX}{self.suffix}"
+            st = _ShardOut(sh, f"{self.dest}/{sh.name}", partial, self.files)
             self.out[s] = st
         return st
 
     def submit(self, slot: Slot, pieces: list) -> None:
-        """pieces: (shard, offset, start_in_slot, nbytes, last, reader_status)."""
+        """pieces: (shard, offset, start_in_slot, nbytes, last, reader_status, reader_crc);
+        the last two only on a shard's last piece (the CRC for a tree's files only)."""
         if not pieces:
             self.release(slot)
             return
@@ -163,7 +175,7 @@ class Sink:
             if item is None:
                 return
             slot, pieces = item
-            for (s, off, start, n, last, status) in pieces:
+            for (s, off, start, n, last, status, crc) in pieces:
                 st = self.out[s]
                 try:
                     if writing:
@@ -178,6 +190,7 @@ class Sink:
                 if last:
                     if status:
                         st.reader_status = status
+                    st.sent_crc = crc
                     self._maybe_finish(st)
             self.release(slot)
 
@@ -208,20 +221,31 @@ class Sink:
                 return
         sh = st.shard
         err = st.error
-        if st.fd >= 0:
-            try:
-                if self.fsync and err is None:
-                    os.fsync(st.fd)
-            except OSError as exc:
-                err = err or f"{sh.name}: fsync: {exc}"
-            os.close(st.fd)
-            st.fd = -1
         if err is None and st.reader_status:
             err = f"{sh.name}: {st.reader_status}"
         if err is None and st.written != sh.bytes:
-            err = f"{sh.name}: wrote {st.written} bytes, the manifest says {sh.bytes}"
-        if err is None and not st.hasher.ok():
+            err = (f"{sh.name}: wrote {st.written} bytes, the "
+                   f"{'listing' if self.files else 'manifest'} says {sh.bytes}")
+        if err is None and self.files and st.hasher.hexdigest() != st.sent_crc:
+            err = (f"{sh.name}: the bytes written have CRC-32C {st.hasher.hexdigest()}, the "
+                   f"bytes read from the source {st.sent_crc}: corrupted on the way (network, "
+                   f"memory); re-run")
+        elif err is None and not self.files and not st.hasher.ok():
             err = mismatch(sh, st.hasher)
+        if st.fd >= 0:
+            try:
+                if self.files and err is None:
+                    # the source's permission bits and mtime: what a re-run's quick check
+                    # (size and mtime equal the source's) finds; set before the rename, so a
+                    # file with its final name always carries them
+                    os.fchmod(st.fd, sh.mode)
+                    os.utime(st.fd, ns=(sh.mtime_ns, sh.mtime_ns))
+                if self.fsync and err is None:
+                    os.fsync(st.fd)
+            except OSError as exc:
+                err = err or f"{sh.name}: {exc}"
+            os.close(st.fd)
+            st.fd = -1
         settle(sh, st.partial, st.final, err, self.copied, self.errors)
 
 
@@ -233,16 +257,22 @@ class _ReaderFailed:
 
 
 class Reader(threading.Thread):
-    """Reads planned pieces of source shards into pool slots, in order, one chunk ahead.
+    """Reads planned chunks of source shards (or a tree's files) into pool slots, in order,
+    one chunk ahead.
 
-    Each item put on ``out`` is (slot, shard, offset, nbytes, last, status): status is None,
-    or on the last piece of a shard a message when the shard could not be read as the
-    manifest describes (the piece's bytes are then zeros, so every rank keeps in step).
+    CHUNKS: :func:`~hpcddp.data._staging_plan.pack_chunks`'s lists of pieces ``(shard,
+    offset, start, nbytes, last)``. Each item put on ``out`` is (slot, verdicts): one
+    ``(status, crc)`` per piece that ends a shard, in order. status is None, or a message when
+    the shard could not be read as the manifest (the listing) describes: its bytes are then
+    zeros, so every rank keeps in step and fails it. crc: with ``files``, the CRC-32C of the
+    bytes read, computed here, on the node that read them; else None (the manifest has it).
     """
 
-    def __init__(self, src: str, shards, plan: list, pool: queue.Queue, at: int):
+    def __init__(self, src: str, shards, chunks: list, pool: queue.Queue, at: int,
+                 files: bool = False):
         super().__init__(name="hpcddp-stage-read", daemon=True)
-        self.src, self.shards, self.plan, self.pool, self.at = src, shards, plan, pool, at
+        self.src, self.shards, self.chunks, self.pool, self.at = src, shards, chunks, pool, at
+        self.files = files
         self.out: queue.Queue = queue.Queue()
         # at most NBUFS - 2 slots read ahead: the main thread must always find a free slot
         # for the chunks other leaders send, or a reader far ahead would deadlock the group
@@ -252,28 +282,50 @@ class Reader(threading.Thread):
         self._status: dict[int, str] = {}
 
     def run(self) -> None:
-        fh, cur = None, None
+        fh, cur, crc = None, None, None
         try:
-            for (s, off, n, last) in self.plan:
+            for pieces in self.chunks:
                 self.ahead.acquire()
                 slot = self.pool.get()
-                if s != cur:
-                    if fh is not None:
-                        fh.close()
-                    fh, cur = self._open(s), s
-                view = memoryview(slot.buf)[self.at:self.at + n]
-                got = self._read_into(fh, s, off, view) if fh is not None and n else 0
-                if got < n:
-                    view[got:] = b"\0" * (n - got)
-                    self._status.setdefault(s, f"the source shard is shorter than the manifest's "
-                                               f"{self.shards[s].bytes} bytes (truncated?)")
-                self.out.put((slot, s, off, n, last, self._status.get(s) if last else None))
+                verdicts = []
+                for (s, off, start, n, last) in pieces:
+                    if s != cur:
+                        if fh is not None:
+                            fh.close()
+                        fh, cur = self._open(s), s
+                        crc = mf.Checker(None) if self.files else None
+                    view = memoryview(slot.buf)[self.at + start:self.at + start + n]
+                    got = self._read_into(fh, s, off, view) if fh is not None and n else 0
+                    if got < n:
+                        view[got:] = b"\0" * (n - got)
+                        self._status.setdefault(s, f"the source {self._what} is shorter than "
+                                                   f"the {self._says} {self.shards[s].bytes} "
+                                                   f"bytes (truncated?)")
+                    if crc is not None:
+                        crc.update(view)
+                    if last:
+                        if self.files and fh is not None:
+                            self._check_unchanged(s, fh)
+                        verdicts.append((self._status.get(s),
+                                         crc.hexdigest() if crc is not None else None))
+                        if fh is not None:
+                            fh.close()
+                        fh, cur = None, None
+                self.out.put((slot, verdicts))
         except BaseException as exc:   # the main thread waits on `out`: it must hear of it
             self.out.put(_ReaderFailed(exc))
             raise
         finally:
             if fh is not None:
                 fh.close()
+
+    @property
+    def _what(self) -> str:
+        return "file" if self.files else "shard"
+
+    @property
+    def _says(self) -> str:
+        return "listing's" if self.files else "manifest's"
 
     def _read_into(self, fh, s: int, off: int, view) -> int:
         got, n = 0, len(view)
@@ -286,14 +338,14 @@ class Reader(threading.Thread):
                     break
                 got += k
         except OSError as exc:
-            self._status.setdefault(s, f"reading the source shard failed: {exc}")
+            self._status.setdefault(s, f"reading the source {self._what} failed: {exc}")
         self.read_s += time.perf_counter() - t
         self.bytes_read += got
         return got
 
     def next(self):
-        """The next (slot, shard, offset, nbytes, last, status), in plan order; raises what
-        ended the reading thread, if it failed (not waiting forever for an item)."""
+        """The next (slot, verdicts), in plan order; raises what ended the reading thread,
+        if it failed (not waiting forever for an item)."""
         item = self.out.get()
         if isinstance(item, _ReaderFailed):
             raise RuntimeError(f"stage: the thread reading the source failed: "
@@ -305,15 +357,40 @@ class Reader(threading.Thread):
         sh = self.shards[s]
         path = os.path.join(self.src, sh.name)
         try:
-            fh = open(path, "rb", buffering=0)
+            if self.files:
+                # a tree's entry may have changed since it was listed: never follow a link
+                # put in its place, never block opening a FIFO put there
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                fh = open(fd, "rb", buffering=0)
+            else:
+                fh = open(path, "rb", buffering=0)
         except OSError as exc:
-            self._status[s] = f"cannot open the source shard {path}: {exc.strerror or exc}"
+            self._status[s] = f"cannot open the source {self._what} {path}: {exc.strerror or exc}"
             return None
-        size = os.fstat(fh.fileno()).st_size
-        if size != sh.bytes:
-            self._status[s] = (f"the source shard {path} has {size} bytes, the manifest says "
-                               f"{sh.bytes}: the source changed since packing")
+        st = os.fstat(fh.fileno())
+        if self.files:
+            if not stat.S_ISREG(st.st_mode):
+                self._status[s] = (f"{path} is no longer a regular file (replaced since it "
+                                   f"was listed)")
+            else:
+                self._check_unchanged(s, fh, st)
+        elif st.st_size != sh.bytes:
+            self._status[s] = (f"the source shard {path} has {st.st_size} bytes, the manifest "
+                               f"says {sh.bytes}: the source changed since packing")
         return fh
+
+    def _check_unchanged(self, s: int, fh, st=None) -> None:
+        """A tree's file must keep the size and mtime it was listed with until its last byte
+        is read: else the copy would match neither version. Checked at open and at the end."""
+        sh = self.shards[s]
+        st = st or os.fstat(fh.fileno())
+        if (st.st_size, st.st_mtime_ns) != (sh.bytes, sh.mtime_ns) and s not in self._status:
+            what = (f"its size went from {sh.bytes} to {st.st_size} bytes"
+                    if st.st_size != sh.bytes else "its mtime changed")
+            self._status[s] = (f"{os.path.join(self.src, sh.name)} changed during the copy "
+                               f"({what} since it was listed): not staged, since the copy "
+                               f"could match neither version; re-run once nothing writes to "
+                               f"the source")
 
 
 # -- whole shards, no MPI ---------------------------------------------------------------------

@@ -14,6 +14,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from hpcddp.data import _staging_files as ft
 from hpcddp.data import destlock
 from hpcddp.data._comm import watched
 from hpcddp.data import manifest as mf
@@ -23,6 +24,9 @@ from hpcddp.data import manifest as mf
 NBUFS = 4
 # allgather keeps NBUFS slots of group_nodes chunks per leader; beyond this it uses bcast
 AUTO_ALLGATHER_MAX_BYTES = 512 << 20
+# pieces (files or parts of files) per chunk at most: bounds the header of checksums and
+# verdicts that travels with each chunk, and the work per round, for trees of tiny files
+MAX_PIECES = 4096
 _LOCK_POLL_S = (0.2, 0.6)          # seconds between tries of a held lock (random in range)
 
 
@@ -89,6 +93,38 @@ def chunks_of(nbytes: int, chunk: int) -> list[tuple[int, int]]:
     return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
 
 
+def pack_chunks(items: list[int], sizes: list[int], chunk: int,
+                max_pieces: int = MAX_PIECES) -> list[list[tuple[int, int, int, int, bool]]]:
+    """Items (files or shards, in order) cut into chunks: what one read-ahead buffer holds and
+    one message carries. Each chunk is a list of pieces ``(item, offset, start, nbytes, last)``:
+    bytes ``offset .. offset + nbytes`` of the item sit at ``start`` in the chunk's buffer, and
+    ``last`` marks the item's final piece.
+
+    Items are laid end to end, so a chunk holds many small files (one MPI round for a few
+    thousand 1 KiB files, not one each) and a file larger than the chunk spans several. A
+    chunk holds at most ``chunk`` bytes and ``max_pieces`` pieces (bounding the per-chunk
+    header of checksums and verdicts); an empty item is one piece of 0 bytes.
+    """
+    chunks: list[list] = []
+    cur: list = []
+    fill = 0
+    for s in items:
+        size, off = sizes[s], 0
+        while True:
+            if fill == chunk or len(cur) == max_pieces:
+                chunks.append(cur)
+                cur, fill = [], 0
+            n = min(size - off, chunk - fill)
+            cur.append((s, off, fill, n, off + n == size))
+            fill += n
+            off += n
+            if off == size:
+                break
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
 def auto_strategy(group_nodes: int, chunk_bytes: int) -> str:
     """What ``strategy="auto"`` runs for a group of ``group_nodes`` nodes.
 
@@ -150,8 +186,8 @@ class Plan:
     """What phase 1 found, for the copy and finalize phases of this rank."""
     src: str                  # absolute source directory
     mode: str
-    raw: bytes                # the manifest's bytes, as read from the source
-    manifest: mf.Manifest
+    raw: bytes                # the manifest's bytes, as read from the source (files: the listing)
+    manifest: mf.Manifest     # files=True: a FileTree, its files in the place of shards
     node_dest: str            # this node's destination directory
     mine: list                # shard indices this node holds when done
     have: list                # ... of which already in place and verified
@@ -160,26 +196,36 @@ class Plan:
     keep: bool                # READY already says all this: leave the markers alone
     manifest_bytes_read: int  # this rank's reads of the source so far
     lock_s: float             # seconds taken by the destination lock, waiting included
+    files: bool = False       # a plain tree (:mod:`hpcddp.data._staging_files`), not a pack
 
 
 def make_plan(job: Job, src: str, dest: str, mode: str, verify: str, lock_wait: float,
-              held: list) -> Plan:
-    """Phase 1, on all ranks: read the manifest, resolve and lock the destination, find what
-    is missing and check it fits; then mark the copy in progress. Takes the lock into HELD."""
-    raw, nread = _read_manifest(job, src)
-    m = mf.Manifest.from_json(raw, os.path.join(src, mf.MANIFEST))
+              held: list, files: bool = False) -> Plan:
+    """Phase 1, on all ranks: read the manifest (files: list the tree), resolve and lock the
+    destination, find what is missing and check it fits; then mark the copy in progress.
+    Takes the lock into HELD."""
+    if files:
+        raw, nread = _read_tree(job, src)
+        m = ft.FileTree.from_json(raw)
+    else:
+        raw, nread = _read_manifest(job, src)
+        m = mf.Manifest.from_json(raw, os.path.join(src, mf.MANIFEST))
     node_dest = _node_destination(job, dest)
+    if files:
+        _dest_outside_tree(job, src, node_dest)
     lock_s = lock_destination(job.world, job.topo, node_dest, held, lock_wait)
     if mode == "partition":
         sizes = [s.bytes for s in m.shards]
         mine = split_by_bytes(sizes, job.groups.nodes)[job.groups.node_in_group]
     else:
         mine = list(range(len(m.shards)))
-    have, todo, stale = _what_is_missing(job, node_dest, m, mine, verify, raw)
-    layout = _layout(raw, mode, job.topo, job.groups, mine)
-    keep = job.writer and not todo and not stale and _ready_holds(node_dest, raw, layout, m, mine)
-    _mark_in_progress(job, node_dest, src, mode, keep, stale)
-    return Plan(src, mode, raw, m, node_dest, mine, have, todo, layout, keep, nread, lock_s)
+    have, todo, stale = _what_is_missing(job, node_dest, m, mine, verify, raw, files)
+    layout = _layout(raw, mode, job.topo, job.groups, mine, files)
+    keep = job.writer and not todo and not stale and _ready_holds(node_dest, raw, layout, m, mine,
+                                                                  files)
+    _mark_in_progress(job, node_dest, src, mode, keep, stale, m.dirs if files else [])
+    return Plan(src, mode, raw, m, node_dest, mine, have, todo, layout, keep, nread, lock_s,
+                files)
 
 
 def _read_manifest(job: Job, src: str) -> tuple[bytes, int]:
@@ -201,6 +247,35 @@ def _read_manifest(job: Job, src: str) -> tuple[bytes, int]:
             raw, err = gcomm.bcast((raw, err), root=0)
     agree(job.world, err, "source")
     return raw, nread
+
+
+def _read_tree(job: Job, src: str) -> tuple[bytes, int]:
+    """One listing per group (every rank's own for every-rank), shared as canonical JSON;
+    a refused entry (a link, a special file, a reserved name) fails every rank, named."""
+    raw = err = None
+    gcomm = job.groups.group_comm
+    if job.every or gcomm.Get_rank() == 0:
+        try:
+            raw = ft.dumps_listing(*ft.list_tree(src))
+        except ValueError as exc:
+            err = str(exc).removeprefix("stage: ")
+        except OSError as exc:
+            err = f"files=True: cannot list the source tree: {exc}"
+    if not job.every:
+        with watched(gcomm, "stage:bcast:listing"):
+            raw, err = gcomm.bcast((raw, err), root=0)
+    agree(job.world, err, "source")
+    return raw, 0     # a listing reads metadata, no file bytes
+
+
+def _dest_outside_tree(job: Job, src: str, node_dest: str) -> None:
+    """A tree staged into itself would list its own copy on the next run: refused on all."""
+    real_src, real_dest = os.path.realpath(src), os.path.realpath(node_dest)
+    err = None
+    if real_dest == real_src or real_dest.startswith(real_src.rstrip(os.sep) + os.sep):
+        err = (f"files=True: DEST {node_dest} on node {job.topo.node} is inside SRC {src}: the "
+               f"copy would become part of the tree it copies; stage to a directory outside it")
+    agree(job.world, err, "destination")
 
 
 def _node_destination(job: Job, dest: str) -> str:
@@ -299,7 +374,7 @@ def _who_holds(blocked: list) -> str:
 
 
 def _what_is_missing(job: Job, node_dest: str, m: mf.Manifest, mine: list, verify: str,
-                     raw: bytes) -> tuple[list, list, list]:
+                     raw: bytes, files: bool = False) -> tuple[list, list, list]:
     """(have, todo, stale) on writers (empty elsewhere); refused on all ranks if the copy
     does not fit in the free space (stale files' space counted as free)."""
     topo = job.topo
@@ -307,8 +382,13 @@ def _what_is_missing(job: Job, node_dest: str, m: mf.Manifest, mine: list, verif
     if job.writer:
         try:
             os.makedirs(node_dest, exist_ok=True)
-            have, todo, stale, reclaim = _inspect(node_dest, m, mine, verify, raw)
-            need = (sum(_blocks(m.shards[s].bytes) for s in todo) + _blocks(len(raw)) + 8192)
+            if files:
+                have, todo, stale, reclaim = ft.inspect_files(node_dest, m, mine, verify, raw,
+                                                              sha256(raw))
+            else:
+                have, todo, stale, reclaim = _inspect(node_dest, m, mine, verify, raw)
+            need = (sum(_blocks(m.shards[s].bytes) for s in todo) + _blocks(len(raw)) + 8192
+                    + 4096 * len(getattr(m, "dirs", ())))
             if job.every:
                 need *= topo.local_size  # every rank of the node holds a partial copy
             free = _free_bytes(node_dest) + reclaim
@@ -325,9 +405,10 @@ def _what_is_missing(job: Job, node_dest: str, m: mf.Manifest, mine: list, verif
 
 
 def _mark_in_progress(job: Job, node_dest: str, src: str, mode: str, keep: bool,
-                      stale: list) -> None:
-    """The first write: READY goes, STAGING (who stages, from where) comes, stale files go.
-    A reader that finds STAGING knows the copy is half-made, whatever else is there."""
+                      stale: list, dirs: list) -> None:
+    """The first write: READY goes, STAGING (who stages, from where) comes, stale files go,
+    a tree's directories come. A reader that finds STAGING knows the copy is half-made,
+    whatever else is there."""
     err = None
     if job.marks and not keep:
         try:
@@ -336,6 +417,9 @@ def _mark_in_progress(job: Job, node_dest: str, src: str, mode: str, keep: bool,
             mf.write_atomic(os.path.join(node_dest, mf.STAGING), mf.dumps(
                 dict(destlock.my_record(node_dest), source=src, mode=mode,
                      strategy=job.strategy)))
+            # every node makes every directory (empty ones too), before any rank copies: the
+            # agree below orders it before the copy on every-rank's other ranks
+            ft.make_dirs(node_dest, dirs)
         except OSError as exc:
             err = f"node {job.topo.node}: {exc}"
     if job.marks:
@@ -394,15 +478,18 @@ def _inspect(dest: str, m: mf.Manifest, need: list[int], verify: str, src_raw: b
     return have, todo, stale, reclaim
 
 
-def _layout(raw: bytes, mode: str, topo, groups, mine: list[int]) -> dict:
-    """What READY says about where this node's copy sits (the markers' comparable part)."""
+def _layout(raw: bytes, mode: str, topo, groups, mine: list[int], files: bool = False) -> dict:
+    """What READY says about where this node's copy sits (the markers' comparable part).
+    A tree's READY names its local files ``local_files``: the datasets read ``local_shards``
+    as shard indices of a manifest, which a file index is not."""
     return {"manifest_sha256": sha256(raw), "mode": mode, "node": topo.node,
             "group": groups.group_rank, "num_groups": groups.group_ws,
             "nodes_in_group": groups.nodes, "node_in_group": groups.node_in_group,
-            "local_shards": sorted(mine)}
+            ("local_files" if files else "local_shards"): sorted(mine)}
 
 
-def _ready_holds(dest: str, raw: bytes, layout: dict, m: mf.Manifest, mine: list[int]) -> bool:
+def _ready_holds(dest: str, raw: bytes, layout: dict, m: mf.Manifest, mine: list[int],
+                 files: bool = False) -> bool:
     """Does ``dest``'s READY already say what this run would write: same manifest, same
     layout, every local shard's stat unchanged since? A run with nothing to copy then leaves
     the markers alone, so a job reading the copy meanwhile never finds it half-staged."""
@@ -416,6 +503,8 @@ def _ready_holds(dest: str, raw: bytes, layout: dict, m: mf.Manifest, mine: list
     if not all(mf.stat_matches(os.path.join(dest, m.shards[i].name), stats.get(m.shards[i].name),
                                ready_ns) for i in mine):
         return False
+    if files:       # no manifest file in a staged tree: READY's listing hash stands for it
+        return ft.dirs_present(dest, m.dirs)
     try:
         with open(os.path.join(dest, mf.MANIFEST), "rb") as f:
             return f.read() == raw

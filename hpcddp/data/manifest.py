@@ -80,8 +80,10 @@ def shard_name(index: int, storage: str) -> str:
 
 
 def partial_name(name: str) -> str:
-    """The temporary name a shard is written under before it is verified and renamed."""
-    return f".{name}{PARTIAL_SUFFIX}"
+    """The temporary name a shard (or a staged file: ``name`` may be a relative path
+    ``a/b/f``) is written under, in the same directory, before it is verified and renamed."""
+    head, base = os.path.split(name)
+    return os.path.join(head, f".{base}{PARTIAL_SUFFIX}")
 
 
 class Manifest:
@@ -355,8 +357,8 @@ def file_checker(path: str, shard: "Shard") -> Checker:
     return c
 
 
-def _stat_of(path: str) -> dict:
-    st = os.stat(path)
+def _stat_of(path: str, st: os.stat_result | None = None) -> dict:
+    st = st or os.stat(path)
     return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
             "ino": st.st_ino}
 
@@ -368,21 +370,23 @@ def shard_stats(directory: str, m: "Manifest", indices: Iterable[int]) -> dict:
             for i in sorted(indices)}
 
 
-def stat_matches(path: str, recorded: dict | None, before_ns: int | None = None) -> bool:
+def stat_matches(path: str, recorded: dict | None, before_ns: int | None = None,
+                 st: os.stat_result | None = None) -> bool:
     """Is the file's stat still the one recorded (False when none was)?
 
     Any write changes mtime and ctime (ctime cannot be set back by ``touch``/``os.utime``);
     a replaced file has another inode. ``before_ns``: the recording's own time (READY's
     mtime); a file whose recorded mtime is not older than it is not vouched for, because
     file times tick coarsely (a jiffy on many kernels) and a write within the same tick as
-    the recording would leave them unchanged (git's "racily clean" rule).
+    the recording would leave them unchanged (git's "racily clean" rule). ``st``: the file's
+    stat when the caller has it already (a tree of 100,000 files is stat'ed once, not twice).
     """
     if not recorded:
         return False
     if before_ns is not None and recorded.get("mtime_ns", before_ns) >= before_ns:
         return False
     try:
-        return _stat_of(path) == recorded
+        return _stat_of(path, st) == recorded
     except OSError:
         return False
 

@@ -34,6 +34,10 @@ This module is the driver; each phase has its own module:
 :mod:`hpcddp.data._staging_finalize`   finalize: agree, manifest + READY, the result
 =====================================  ===================================================
 
+``files=True`` stages a plain directory tree instead, with the same guarantees: its listing
+takes the manifest's place and each file's CRC-32C, computed where it was read, travels with
+it (:mod:`hpcddp.data._staging_files`).
+
 Only the MPI layer (``hpcddp.comm``) is used: never torch.distributed.
 """
 from __future__ import annotations
@@ -68,8 +72,9 @@ _POLL_S = 0.002
 def stage(src: str, dest: str, *, mode: str = "replicate", group_nodes: int | None = None,
           strategy: str = "auto", chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify: str = "auto",
           fsync: bool = False, progress: bool = True,
-          lock_wait: float = DEFAULT_LOCK_WAIT_S) -> StageResult:
-    """Copy the packed data set ``src`` to node-local ``dest`` on every node (collective).
+          lock_wait: float = DEFAULT_LOCK_WAIT_S, files: bool = False) -> StageResult:
+    """Copy the packed data set ``src`` (``files=True``: any directory tree) to node-local
+    ``dest`` on every node (collective).
 
     Every rank of the job calls it with the same arguments; it returns the same
     :class:`StageResult` on every rank, or raises the same :class:`StageError` on every rank.
@@ -95,25 +100,32 @@ def stage(src: str, dest: str, *, mode: str = "replicate", group_nodes: int | No
         lock_wait: seconds a node leader waits for another stager holding its destination's
             lock (:mod:`hpcddp.data.destlock`) before every rank raises StageError; 0 refuses
             at once. Rank 0 says once whom it waits for (host, pid, job).
+        files: stage ``src`` as a plain directory tree, file for file (docs/data.md, "Staging
+            a plain directory"): every regular file and directory, with its permission bits
+            and mtime; a symbolic link or a special file anywhere in it is refused, named.
+            Each file is checked against the CRC-32C computed where it was read; ``verify``:
+            ``"auto"`` keeps a present file whose size and mtime are the source's (and, under
+            a READY for the same listing, whose stat READY recorded), ``"size"`` one of the
+            source's size, ``"full"`` none (there is no checksum in advance to compare with).
     """
     held: list = []   # the destination lock this process took, released however we leave
     try:
         return _stage(src, dest, held, mode=mode, group_nodes=group_nodes, strategy=strategy,
                       chunk_bytes=chunk_bytes, verify=verify, fsync=fsync, progress=progress,
-                      lock_wait=lock_wait)
+                      lock_wait=lock_wait, files=files)
     finally:
         for lock in held:
             lock.release()
 
 
 def _stage(src, dest, held, *, mode, group_nodes, strategy, chunk_bytes, verify, fsync, progress,
-           lock_wait) -> StageResult:
+           lock_wait, files) -> StageResult:
     """:func:`stage`'s body, phase by phase; takes the destination lock into ``held``."""
     t_start = time.perf_counter()
-    _check_args(mode, strategy, verify, chunk_bytes, group_nodes, lock_wait)
+    _check_args(mode, strategy, verify, chunk_bytes, group_nodes, lock_wait, files)
     src = os.path.abspath(os.fspath(src))
     job = job_layout(group_nodes, strategy, chunk_bytes)
-    plan = make_plan(job, src, dest, mode, verify, lock_wait, held)
+    plan = make_plan(job, src, dest, mode, verify, lock_wait, held, files)
     t_plan = time.perf_counter()
     stats = _copy(job, plan, chunk_bytes, fsync, progress) if job.writer else CopyStats()
     t_copy_local = time.perf_counter()
@@ -123,7 +135,7 @@ def _stage(src, dest, held, *, mode, group_nodes, strategy, chunk_bytes, verify,
                     (t_start, t_plan, t_copy_local, t_copy))
 
 
-def _check_args(mode, strategy, verify, chunk_bytes, group_nodes, lock_wait) -> None:
+def _check_args(mode, strategy, verify, chunk_bytes, group_nodes, lock_wait, files) -> None:
     """Refuse bad arguments on the calling rank, before any message."""
     if mode not in MODES:
         raise ValueError(f"stage: mode={mode!r}, expected one of {list(MODES)}")
@@ -137,6 +149,9 @@ def _check_args(mode, strategy, verify, chunk_bytes, group_nodes, lock_wait) -> 
         raise ValueError(f"stage: group_nodes={group_nodes!r}, expected a positive int or None")
     if not isinstance(lock_wait, (int, float)) or not 0 <= lock_wait < float("inf"):
         raise ValueError(f"stage: lock_wait={lock_wait!r}, expected seconds >= 0 (0: refuse at once)")
+    if not isinstance(files, bool):
+        raise ValueError(f"stage: files={files!r}, expected True (a plain directory tree) or "
+                         f"False (a packed data set)")
 
 
 def _copy(job: Job, plan: Plan, chunk: int, fsync: bool, progress: bool) -> CopyStats:
@@ -150,11 +165,17 @@ def _copy(job: Job, plan: Plan, chunk: int, fsync: bool, progress: bool) -> Copy
         bar = tqdm(total=sum(m.shards[s].bytes for s in plan.todo), unit="B", unit_scale=True,
                    mininterval=1.0, desc=f"[rank{job.rank}] stage node{topo.node}", leave=False)
     gl = job.groups.group_leader_comm             # None off-leader
+    suffix = f".r{job.rank}" if job.every else ""
     try:
         if not job.every and plan.mode == "replicate" and gl is not None and gl.Get_size() > 1:
             return copy_exchange(gl, job.strategy, plan.src, plan.node_dest, m, plan.todo,
-                                 chunk, fsync, bar)
-        suffix = f".r{job.rank}" if job.every else ""
+                                 chunk, fsync, bar, plan.files)
+        if plan.files:
+            # nothing travels, but a tree still wants its small files batched and each file's
+            # CRC-32C taken where it was read: the same pipeline, over this rank alone
+            from hpcddp.comm import MPI
+            return copy_exchange(MPI.COMM_SELF, "bcast", plan.src, plan.node_dest, m, plan.todo,
+                                 chunk, fsync, bar, True, suffix)
         return copy_local(plan.src, plan.node_dest, m, plan.todo, chunk, suffix, fsync, bar)
     finally:
         if bar is not None:

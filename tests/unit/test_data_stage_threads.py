@@ -21,7 +21,7 @@ def test_a_failed_reader_raises_in_the_main_thread():
             raise MemoryError("no room for the file object")
     pool = queue.Queue()
     pool.put(_Slot())
-    reader = Failing("/nonexistent", [None], [(0, 0, 8, True)], pool, 0)
+    reader = Failing("/nonexistent", [None], [[(0, 0, 0, 8, True)]], pool, 0)
     reader.start()
     with pytest.raises(RuntimeError, match="the thread reading the source failed: MemoryError"):
         reader.next()
