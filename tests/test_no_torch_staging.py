@@ -85,3 +85,26 @@ def test_stage_files_under_mpirun_never_imports_torch(tmp_path):
     assert res.stdout.count("torch_free: no torch module loaded") == 2, res.stdout + res.stderr
     assert "[rank0] staged 40 files" in res.stdout, res.stdout
     assert all((tmp_path / f"dst-{n}" / "READY").exists() for n in range(2))
+
+
+def test_the_start_up_table_is_the_recorded_runs():
+    """docs/data.md's start-up table: the min-max of docs/benchmarks/stage-startup.txt, the
+    output of scripts/stage_startup_times.sh, never figures typed in apart from it."""
+    runs = {}
+    for line in (ROOT / "docs" / "benchmarks" / "stage-startup.txt").read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        which, _, help_s, what, run_s = line.split()
+        runs.setdefault((which, "help"), []).append(float(help_s))
+        runs.setdefault((which, what), []).append(float(run_s))
+    page = (ROOT / "docs" / "data.md").read_text()
+
+    def span(key, digits):
+        return f"{min(runs[key]):.{digits}f}-{max(runs[key]):.{digits}f} s"
+
+    assert (f"| `hpcddp stage --help` | {span(('before', 'help'), 1)} | "
+            f"{span(('after', 'help'), 2)} |") in page
+    for n in (2, 4):
+        assert (f"| `mpirun -n {n} hpcddp stage SRC DEST` (whole run) | "
+                f"{span(('before', f'stage-np{n}'), 1)} | {span(('after', f'stage-np{n}'), 1)} |"
+                ) in page

@@ -89,10 +89,12 @@ def dead_loader_workers(it, exc: BaseException | None = None) -> list[int]:
     the rank reads its batch shows up as whatever that read raised (an EOFError or a
     ConnectionResetError from torch's file-descriptor sharing), not always as torch's "worker
     exited" error; after such an EXC, waits up to WORKER_EXIT_WAIT_S for the worker's exit."""
-    deadline = time.monotonic() + (WORKER_EXIT_WAIT_S if isinstance(exc, CUT_READ_ERRORS) else 0)
+    workers = getattr(it, "_workers", None) or ()
+    wait = WORKER_EXIT_WAIT_S if workers and isinstance(exc, CUT_READ_ERRORS) else 0
+    deadline = time.monotonic() + wait
     while True:
         dead = []
-        for w in getattr(it, "_workers", None) or ():
+        for w in workers:
             try:
                 if not w.is_alive() and w.exitcode not in (None, 0):
                     dead.append(w.pid)
