@@ -212,6 +212,10 @@ VARS: tuple[Var, ...] = (
     Var("HPCDDP_FUTURE", _choice("wait", "thread"), "wait", "wait, thread",
         "how an async Work's future completes: when waited on, or by a progress thread",
         "collectives.md"),
+    Var("HPCDDP_ASYNC_ENGINE", _path_mode, "auto", "0, 1/auto, force",
+        "collectives called with async_op=True run on one communication thread per process, "
+        "in issue order, while the caller computes (auto: where the job spans several nodes)",
+        "ddp.md"),
     # GPUs (docs/gpu.md)
     Var("HPCDDP_CUDA_AWARE", _choice("0", "1", "auto"), "auto", "0, 1, auto",
         "whether MPI takes CUDA buffers (auto: detected; 1: trust it; 0: stage through host "

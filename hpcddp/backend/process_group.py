@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hpcddp import collectives as C
-from hpcddp.collectives.work import CompletedWork, TorchP2PWork, Work, _keepalive
+from hpcddp.collectives.work import AllWork, CompletedWork, TorchP2PWork, Work, _keepalive
 from hpcddp.comm.buffers import NotContiguous, TensorError, as_array
 from hpcddp.comm.communicator import Communicator
 
@@ -33,14 +33,7 @@ from hpcddp.backend import BACKEND_NAME
 
 def _combine(works, result) -> Work:
     """One Work over several started ops (coalesced calls)."""
-    works = [w for w in works if w is not None]
-    reqs = [r for w in works for r in w._requests]
-
-    def finish():
-        for w in works:
-            with w._lock:
-                w._complete()
-    return Work(reqs, result, finish)
+    return AllWork([w for w in works if w is not None], result)
 
 
 def _for_torch(work):

@@ -9,6 +9,7 @@ from hpcddp.comm.buffers import as_array, as_arrays, check_tensor, same_spec  # 
 from hpcddp.comm.communicator import Communicator
 from hpcddp.comm.ops import RedOpType, mpi_op
 from hpcddp.diagnostics import mismatch as _mismatch, recorder as _rec
+from hpcddp.collectives import engine as _engine
 from hpcddp.collectives.work import CompletedWork, Work  # noqa: F401
 
 IN_PLACE = MPI.IN_PLACE
@@ -16,9 +17,23 @@ IN_PLACE = MPI.IN_PLACE
 # cross-rank mismatch check; otherwise the flight recorder plus, for large collectives, the
 # agreement on count, dtype, reduce op and root (diagnostics.mismatch says which sizes).
 record = _mismatch.checked_start if _mismatch.enabled() else _mismatch.agreed_start
+agree_recorded = _mismatch.check_recorded if _mismatch.enabled() else _mismatch.agree_large
 record_p2p = _rec.start_p2p   # send/recv: own sequence numbers, never cross-checked
 record_end = _rec.end
 _op_cache: dict = {}
+
+
+def record_call(call, op: str, shape, dtype, peer=None, red=None) -> None:
+    """Record CALL (a collective, validated) in the flight recorder, as ``record``; where the
+    async engine will run it (``call.queued``), its cross-rank agreement is left to the
+    engine, which runs it in issue order just before the call (hpcddp.collectives.engine)."""
+    call.red = red
+    if _engine.pending or call.async_op and _engine.on():
+        call.queued = True
+        call.entry = _rec.start(call.comm, op, shape, dtype, peer)
+    else:
+        call.queued = False
+        call.entry = record(call.comm, op, shape, dtype, peer, red=red)
 
 
 def resolve(group, fn: str) -> Communicator:

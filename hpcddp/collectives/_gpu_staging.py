@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from hpcddp import settings
+from hpcddp.collectives.engine import EngineWork
 
 _ALIGN = 256          # bytes: host twins start on this boundary (any dtype view is aligned)
 _MIN_BLOCK = 1 << 16  # pinned blocks are powers of two from 64 KiB
@@ -307,6 +308,13 @@ class Staged:
         if not async_op:
             self.copy_out()
             return None
+        if isinstance(work, EngineWork):
+            # queued on the async engine, which completes its Work without a finishing step:
+            # wait for it here and copy back (correct; the staged copy gives up the overlap)
+            work.wait()
+            self.copy_out()
+            work._result = result
+            return work
         if work._done:
             # The host op finished before returning: all_reduce/broadcast run the blocking MPI
             # call even for async_op (MPI never matches a blocking collective with a

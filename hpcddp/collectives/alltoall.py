@@ -14,8 +14,9 @@ from hpcddp.collectives import _lists
 from hpcddp.collectives import _plans
 from hpcddp.collectives._plans import A2A_SINGLE, ALL_TO_ALL, xhit as _xhit
 from hpcddp.collectives._common import (as_array, as_arrays, check_list, finish_or_work,
-                                        record, record_end, resolve)
+                                        record_call, record_end, resolve)
 from hpcddp.collectives import _device
+from hpcddp.collectives import engine as _engine
 from hpcddp.collectives.paths import Call, pair, route, take
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.comm._mpi import MPI
@@ -83,7 +84,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     """
     fn = "all_to_all_single"
     # the plan-hit row: the same blocking even-blocks call again (hpcddp.collectives._plans)
-    if not async_op and (input_split_sizes is None or len(input_split_sizes) == 0) \
+    if not async_op and not _engine.pending and (input_split_sizes is None or len(input_split_sizes) == 0) \
             and (output_split_sizes is None or len(output_split_sizes) == 0) \
             and _xhit(A2A_SINGLE, (output, input), group):
         return None
@@ -94,7 +95,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         call.nbytes = call.inp.nbytes
         call.extra = _layout(output, input, call.out, call.inp, output_split_sizes,
                              input_split_sizes, group, call.comm)   # counts, displacements
-        call.entry = record(call.comm, "all_to_all", input.shape, input.dtype)
+        record_call(call, "all_to_all", input.shape, input.dtype)
     return take(_ALL_TO_ALL_SINGLE, call)
 
 
@@ -156,7 +157,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     """Send INPUT_TENSOR_LIST[j] to rank j; receive rank j's into OUTPUT_TENSOR_LIST[j]."""
     fn = "all_to_all"
     # the plan-hit row: the same blocking call on the same tensors again (collectives._plans)
-    if not async_op and type(output_tensor_list) in _lists.SEQUENCES \
+    if not async_op and not _engine.pending and type(output_tensor_list) in _lists.SEQUENCES \
             and type(input_tensor_list) in _lists.SEQUENCES and output_tensor_list \
             and _xhit(ALL_TO_ALL, (*output_tensor_list, *input_tensor_list), group):
         return None
@@ -178,7 +179,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
         call.out = as_arrays(output_tensor_list, ref, fn, "output_tensor_list",
                              same_shape=False)
         call.extra = 0                          # blocks of any size
-        call.entry = record(comm, "all_to_all", ref.shape, ref.dtype)
+        record_call(call, "all_to_all", ref.shape, ref.dtype)
     return take(_ALL_TO_ALL, call)
 
 

@@ -14,8 +14,10 @@ from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
 from hpcddp.collectives._plans import ALL_GATHER, xhit as _xhit
 from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, check_list,
-                                        finish_or_work, record, record_end, resolve, same_spec)
+                                        finish_or_work, record_call, record_end, resolve,
+                                        same_spec)
 from hpcddp.collectives import _device
+from hpcddp.collectives import engine as _engine
 from hpcddp.collectives.paths import Call, pair, route, take
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.diagnostics import mismatch as _mismatch
@@ -47,7 +49,7 @@ def broadcast(tensor, src, group=None, async_op=False):
     """
     call = _one("broadcast", tensor, group, async_op, "src", src)
     if not call.device:
-        call.entry = record(call.comm, "broadcast", tensor.shape, tensor.dtype, src)
+        record_call(call, "broadcast", tensor.shape, tensor.dtype, src)
     return take(_BROADCAST, call)
 
 
@@ -109,7 +111,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
                              f"{input_tensor.numel()} x group size {comm.size})")
         call.nbytes = call.out.nbytes
         call.arr = call.out                     # the hierarchical row's count test
-        call.entry = record(comm, "all_gather", input_tensor.shape, input_tensor.dtype)
+        record_call(call, "all_gather", input_tensor.shape, input_tensor.dtype)
     return take(_ALL_GATHER_INTO_TENSOR, call)
 
 
@@ -155,7 +157,7 @@ def _scatter_copy(flat: torch.Tensor, outputs) -> None:
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     """Every rank's TENSOR into TENSOR_LIST (one tensor per rank, rank order), on every rank."""
     # the plan-hit row: the same blocking call on the same tensors again (collectives._plans)
-    if not async_op and type(tensor_list) in _lists.SEQUENCES \
+    if not async_op and not _engine.pending and type(tensor_list) in _lists.SEQUENCES \
             and _xhit(ALL_GATHER, (tensor, *tensor_list), group):
         return None
     fn = "all_gather"
@@ -170,7 +172,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
                 raise ValueError(f"{fn}: tensor_list[{i}] has {v.size} elements, expected "
                                  f"{send.size} (tensor's; every rank sends the same size)")
         call.extra = send.size                  # one block, the same on every rank
-        call.entry = record(comm, "all_gather", tensor.shape, tensor.dtype)
+        record_call(call, "all_gather", tensor.shape, tensor.dtype)
     return take(_ALL_GATHER, call)
 
 
@@ -220,7 +222,7 @@ def _rooted(fn: str, tensor, lst, root, group, async_op, root_arg, list_arg, rol
         elif lst:
             raise ValueError(f"{fn}: {list_arg} must be None or empty on rank {comm.rank}, "
                              f"which is not the {role} ({root_arg}={root})")
-        call.entry = record(comm, fn, tensor.shape, tensor.dtype, root)
+        record_call(call, fn, tensor.shape, tensor.dtype, root)
     return call
 
 

@@ -8,9 +8,18 @@ from __future__ import annotations
 
 from mpi4py.util import pkl5
 
+from hpcddp.collectives import engine as _engine
 from hpcddp.collectives._common import record, record_end, resolve
 
 _pkl5: dict = {}
+
+
+def _ready(group, fn: str):
+    """FN's communicator, once the async engine has run every call issued before (the object
+    collectives run on the caller's thread)."""
+    comm = resolve(group, fn)
+    _engine.drain()
+    return comm
 
 
 def _p5(comm):
@@ -22,7 +31,7 @@ def _p5(comm):
 
 def broadcast_object(obj, src=0, group=None):
     """Rank SRC's OBJ on every rank (returned)."""
-    comm = resolve(group, "broadcast_object")
+    comm = _ready(group, "broadcast_object")
     comm.check_rank(src, "broadcast_object", "src")
     e = record(comm, "broadcast_object", peer=src)
     out = _p5(comm).bcast(obj, root=src)
@@ -32,7 +41,7 @@ def broadcast_object(obj, src=0, group=None):
 
 def broadcast_object_list(object_list, src=0, group=None) -> None:
     """Replace OBJECT_LIST's items on every rank by rank SRC's (torch's signature)."""
-    comm = resolve(group, "broadcast_object_list")
+    comm = _ready(group, "broadcast_object_list")
     if not isinstance(object_list, list):
         raise TypeError(f"broadcast_object_list: object_list must be a list, got "
                         f"{type(object_list).__name__}")
@@ -45,7 +54,7 @@ def broadcast_object_list(object_list, src=0, group=None) -> None:
 
 def all_gather_object(object_list, obj, group=None) -> None:
     """OBJECT_LIST[r] = rank r's OBJ, on every rank."""
-    comm = resolve(group, "all_gather_object")
+    comm = _ready(group, "all_gather_object")
     if not isinstance(object_list, list) or len(object_list) != comm.size:
         raise ValueError(f"all_gather_object: object_list must be a list of {comm.size} items "
                          f"(one per rank), got {type(object_list).__name__} of length "
@@ -57,7 +66,7 @@ def all_gather_object(object_list, obj, group=None) -> None:
 
 def gather_object(obj, object_gather_list=None, dst=0, group=None) -> None:
     """On rank DST, OBJECT_GATHER_LIST[r] = rank r's OBJ."""
-    comm = resolve(group, "gather_object")
+    comm = _ready(group, "gather_object")
     comm.check_rank(dst, "gather_object", "dst")
     if comm.rank == dst and (not isinstance(object_gather_list, list)
                              or len(object_gather_list) != comm.size):
@@ -73,7 +82,7 @@ def gather_object(obj, object_gather_list=None, dst=0, group=None) -> None:
 def scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src=0,
                         group=None) -> None:
     """Rank r's SCATTER_OBJECT_OUTPUT_LIST[0] = rank SRC's SCATTER_OBJECT_INPUT_LIST[r]."""
-    comm = resolve(group, "scatter_object_list")
+    comm = _ready(group, "scatter_object_list")
     comm.check_rank(src, "scatter_object_list", "src")
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
         raise ValueError("scatter_object_list: scatter_object_output_list must be a list with at "

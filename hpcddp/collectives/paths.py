@@ -15,12 +15,14 @@ each path open or closed and why (:func:`table`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 from hpcddp import settings
 from hpcddp.collectives import _cma, _device, _hier, _large, _lists, _node, _plans, _shm
-from hpcddp.collectives._common import as_array, resolve
+from hpcddp.collectives import engine as _engine
+from hpcddp.collectives._common import agree_recorded, as_array, resolve
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.diagnostics.mismatch import AGREE_BYTES
 
@@ -34,7 +36,7 @@ class Call:
     small call less than an __init__ would (docs/benchmarks.md, "The dispatch table")."""
     __slots__ = ("comm", "group", "async_op", "device", "nbytes", "tensor", "arr", "output",
                  "out", "input", "inp", "tensors", "views", "dtype", "op", "mop", "kind", "root",
-                 "tag", "entry", "extra")
+                 "tag", "entry", "extra", "red", "queued")
 
 
 def pair(fn: str, output, input, group, async_op: bool, out_arg: str = "output",
@@ -214,7 +216,8 @@ def route(op: str, **runs: Callable) -> tuple:
     # small call takes: no row to ask (0 where a middle row applies at any size)
     floor = min((p.min_bytes for p in host[:-1]), default=1 << 62)
     return (CUDA_AWARE.applies, on_cuda_aware, staged, floor, runs[names[-1]],
-            tuple((p.min_bytes, p.applies, runs[k]) for p, k in zip(host, names)))
+            tuple((p.min_bytes, p.applies, runs[k]) for p, k in zip(host, names)),
+            op not in POSTED)
 
 
 def _kind(p: Path) -> str:
@@ -222,11 +225,38 @@ def _kind(p: Path) -> str:
             "point-to-point": "lists"}.get(p.name, "mpi")
 
 
+# ops whose MPI requests are posted on the caller's thread, never queued on the engine: MPI
+# orders point-to-point messages among themselves, and a blocking send queued behind a
+# blocking receive would deadlock two ranks that exchange
+POSTED = frozenset({"send/recv/isend/irecv"})
+
+
 def take(route: tuple, call: Call):
-    """Run CALL on the first of ROUTE's paths that applies (the last, MPI, always does)."""
-    aware, on_aware, staged, floor, last, rows = route
+    """Run CALL on the first of ROUTE's paths that applies (the last, MPI, always does): on
+    the caller's thread, or queued on the async engine (hpcddp.collectives.engine) where the
+    call is async and the engine on, or where calls issued before it are still queued."""
     if call.device:       # the device rows (a flag, tested without a call)
-        return on_aware(call) if aware(call) else staged(call)
+        _engine.drain()   # the caller's thread keeps its CUDA stream
+        return route[1](call) if route[0](call) else route[2](call)
+    if route[6] and call.queued:     # record_call decided it, and left the agreement to it
+        run = functools.partial(_agreed_host, route)
+        if call.async_op:
+            return _engine.submit(run, call)
+        _engine.in_order(run, call)
+        return None
+    return _host(route, call)
+
+
+def _agreed_host(route: tuple, call: Call):
+    """A queued CALL on the engine's thread: the cross-rank agreement record_call left to
+    it, then its host row."""
+    agree_recorded(call.comm, call.entry, call.red)
+    return _host(route, call)
+
+
+def _host(route: tuple, call: Call):
+    """CALL (on CPU tensors) on the first of ROUTE's host rows that applies."""
+    _, _, _, floor, last, rows, _ = route
     nbytes = call.nbytes
     if nbytes < floor:    # smaller than every middle row's min_bytes
         return last(call)

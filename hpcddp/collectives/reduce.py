@@ -15,9 +15,11 @@ from hpcddp.collectives import _shm
 from hpcddp.collectives import _lists
 from hpcddp.collectives._plans import hit as _plan_hit, make_plan
 from hpcddp.collectives._common import (IN_PLACE, CompletedWork, as_array, check_list,
-                                        finish_or_work, post_reduce, pre_reduce, record,
-                                        record_end, reduce_op, resolve, same_spec)
+                                        finish_or_work, post_reduce, pre_reduce,
+                                        record_call, record_end, reduce_op, resolve,
+                                        same_spec)
 from hpcddp.collectives import _device
+from hpcddp.collectives import engine as _engine
 from hpcddp.collectives.paths import Call, route, take
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.diagnostics import mismatch as _mismatch
@@ -52,15 +54,17 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
     Rank r holds x_r before; every rank holds op(x_0, ..., x_{n-1}) after.
     """
     # the plan-hit row (hpcddp.collectives._plans): SUM on a tensor reduced before. Blocking
-    # whatever async_op: see _all_reduce_mpi.
-    if (op is SUM or op == SUM) and _plan_hit(tensor, group):
+    # whatever async_op (see _all_reduce_mpi), unless the async engine takes the call or
+    # holds calls issued before it (hpcddp.collectives.engine)
+    if (op is SUM or op == SUM) and not _engine.pending \
+            and not (async_op and _engine.on()) and _plan_hit(tensor, group):
         return None if not async_op else CompletedWork([tensor])
     call = _reduction("all_reduce", tensor, op, group, async_op)
     if not call.device:
         # recorded (and, if large, agreed on by every rank) before the paths are asked: a
         # node-local path's first use is collective, and the arguments that choose it are the
         # ones agreed on
-        call.entry = record(call.comm, "all_reduce", tensor.shape, tensor.dtype, red=call.kind)
+        record_call(call, "all_reduce", tensor.shape, tensor.dtype, red=call.kind)
     return take(_ALL_REDUCE, call)
 
 
@@ -125,7 +129,7 @@ def reduce(tensor, dst, op=SUM, group=None, async_op=False):
     call.comm.check_rank(dst, "reduce", "dst")
     call.root = dst
     if not call.device:
-        call.entry = record(call.comm, "reduce", tensor.shape, tensor.dtype, dst, red=call.kind)
+        record_call(call, "reduce", tensor.shape, tensor.dtype, dst, red=call.kind)
     return take(_REDUCE, call)
 
 
@@ -181,8 +185,8 @@ def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
         if _large.too_big(inp):
             _large.refuse(fn, "input", input.numel())
         call.nbytes = inp.nbytes            # the paths' thresholds are on the whole input
-        call.entry = record(comm, "reduce_scatter", output.shape, output.dtype,
-                            red=call.kind)  # agreed first
+        record_call(call, "reduce_scatter", output.shape, output.dtype,
+                    red=call.kind)  # agreed first
     return take(_REDUCE_SCATTER_TENSOR, call)
 
 
@@ -237,8 +241,8 @@ def reduce_scatter(output, input_list, op=SUM, group=None, async_op=False):
         same_spec(input_list, output, fn, "input_list")
         call.nbytes = output.nbytes * comm.size
         call.extra = output.numel()             # one block, the same on every rank
-        call.entry = record(comm, "reduce_scatter", output.shape, output.dtype,
-                            red=call.kind)  # agreed first
+        record_call(call, "reduce_scatter", output.shape, output.dtype,
+                    red=call.kind)  # agreed first
     return take(_REDUCE_SCATTER, call)
 
 

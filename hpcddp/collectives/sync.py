@@ -5,7 +5,9 @@ import time
 from datetime import timedelta
 
 from hpcddp import settings
+from hpcddp.collectives import engine as _engine
 from hpcddp.collectives._common import finish_or_work, record, record_end, resolve
+from hpcddp.collectives.paths import Call
 from hpcddp.comm._mpi import MPI
 from hpcddp.diagnostics import recorder as _rec
 
@@ -14,7 +16,17 @@ def barrier(group=None, async_op=False):
     """Return once every rank of the group has called barrier."""
     comm = resolve(group, "barrier")
     entry = record(comm, "barrier")
+    if _engine.pending or async_op and _engine.on():   # in issue order (collectives.engine)
+        call = Call()
+        call.comm, call.entry = comm, entry
+        if async_op:
+            return _engine.submit(_barrier, call)
+        return _engine.in_order(_barrier, call)
     return finish_or_work(async_op, entry, [comm.mpi.Ibarrier()], [])
+
+
+def _barrier(c):
+    return finish_or_work(True, c.entry, [c.comm.mpi.Ibarrier()], [])
 
 
 class BarrierTimeout(RuntimeError):

@@ -235,6 +235,38 @@ class CompletedWork(Work):
         self._exc = exc
 
 
+class AllWork(Work):
+    """One Work over several started ops (a coalesced call): done when all of them are,
+    whichever kind each is (MPI requests, the async engine's)."""
+
+    def __init__(self, works, result):
+        super().__init__([], result)
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def exception(self):
+        return next((e for e in (w.exception() for w in self._works) if e is not None), None)
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            result = self._result
+
+            def value(all_done):
+                for f in all_done.value():
+                    f.wait()            # raises the first op's error
+                return result
+            self._future = torch.futures.collect_all(
+                [w.get_future() for w in self._works]).then(value)
+        return self._future
+
+
 def future_of(w) -> torch.futures.Future:
     """``get_future()`` of W, a Work or a C P2PWork (both keep it in ``_future``): made once,
     completed here by waiting or, with HPCDDP_FUTURE=thread, by the progress thread."""

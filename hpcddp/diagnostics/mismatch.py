@@ -178,11 +178,20 @@ def agreed_start(comm, op: str, shape=None, dtype=None, peer=None, red=None) -> 
     """The recorder's ``start``; for a collective of at least AGREE_BYTES also the agreement
     of every rank on the call (default mode; RED: the reduce op's kind, for reductions)."""
     entry = _start(comm, op, shape, dtype, peer)
+    agree_large(comm, entry, red)
+    return entry
+
+
+def agree_large(comm, entry, red=None) -> None:
+    """agreed_start's agreement on the call recorded in ENTRY, where it is large (run apart
+    from the record where the async engine runs the call: in issue order, on its thread)."""
+    shape, dtype = entry[_rec.SHAPE], entry[_rec.DTYPE]
     if dtype is not None and shape is not None:     # the cheap tests first: this runs per op
         count = shape.numel() if hasattr(shape, "numel") else _count(shape)   # torch.Size
+        op = entry[_rec.OP]
         if count * dtype.itemsize >= AGREE_BYTES and comm.size > 1 and op not in AGREE_FREE:
-            _agree(comm, entry, _agree_row(op, entry[_rec.SEQ], count, dtype, red, peer))
-    return entry
+            _agree(comm, entry, _agree_row(op, entry[_rec.SEQ], count, dtype, red,
+                                           entry[_rec.PEER]))
 
 
 class CallHash:
@@ -326,6 +335,14 @@ def _dup(comm):
 def checked_start(comm, op: str, shape=None, dtype=None, peer=None, red=None) -> list:
     """The recorder's ``start`` followed by the cross-rank check (HPCDDP_DEBUG=detail)."""
     entry = _start(comm, op, shape, dtype, peer)
+    check_recorded(comm, entry, red)
+    return entry
+
+
+def check_recorded(comm, entry, red=None) -> None:
+    """checked_start's check of the call recorded in ENTRY (run apart from the record where
+    the async engine runs the call)."""
+    op, shape, dtype, peer = entry[_rec.OP], entry[_rec.SHAPE], entry[_rec.DTYPE], entry[_rec.PEER]
     if comm.size > 1:
         dup, rows = _dup(comm)
         mine = array.array("q", _fp(op, entry[_rec.SEQ], shape, dtype, peer, red))
@@ -335,7 +352,6 @@ def checked_start(comm, op: str, shape=None, dtype=None, peer=None, red=None) ->
             _rec.end(entry)
             table = np.frombuffer(got, dtype=np.int64).reshape(comm.size, K)
             raise CollectiveMismatchError(mismatch_message(comm.name, comm.world_ranks, table))
-    return entry
 
 
 def free_dups() -> None:
