@@ -3,7 +3,8 @@
 Each job is ``mpirun -n N python -m pytest --with-mpi tests/mpi/FILE`` under a hard timeout,
 so the outer pytest prints one summary for everything and a hang becomes a failure. A file
 may narrow its sizes with a literal ``MPI_SIZES = (2, 4)`` at top level and its timeout with
-``MPI_TIMEOUT = 300`` (seconds); ``MPI_NEEDS_CUDA = True`` (every test in it needs a GPU) skips
+``MPI_TIMEOUT = 300`` (seconds), its ranks' environment with ``MPI_ENV = {"HPCDDP_X": "1"}``
+(settings are read once per process); ``MPI_NEEDS_CUDA = True`` (every test in it needs a GPU) skips
 it here without starting a job where torch sees no CUDA device (each job costs its ranks'
 start-up, 3-10 s on 2 cores, for nothing but skips).
 """
@@ -41,7 +42,8 @@ def test_mpi_suite(path, nprocs):
         if not torch.cuda.is_available():
             pytest.skip(f"{path.name}: every test in it needs a CUDA GPU; torch sees none")
     timeout = _literal(path, "MPI_TIMEOUT", DEFAULT_TIMEOUT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               **_literal(path, "MPI_ENV", {}))
     argv = [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
             "-o", "addopts=", "--rootdir", str(HERE.parent), str(path)]
     res = run_mpi(nprocs, argv, timeout=timeout, env=env, cwd=str(HERE.parent))

@@ -68,11 +68,13 @@ def collect_info() -> dict | None:
         return None
     launch = rt.launch
     cuda = torch.cuda.is_available()
-    from hpcddp.collectives import _plans
+    from hpcddp.collectives import _plans, engine
     import hpcddp
     return {
         "hpcddp": hpcddp.__version__,
         "c_module": _c_module_state(_plans),
+        "async_engine": engine.state(),
+        "mpi_yield_when_idle": __import__("os").environ.get("OMPI_MCA_mpi_yield_when_idle", ""),
         "world_size": world.size,
         "nodes": topo.num_nodes,
         "ranks_per_node_emulated": topo.emulated,
@@ -125,6 +127,8 @@ def format_info(info: dict) -> str:
         f"threads    {m['thread_level']} (asked {m['thread_level_requested']}); mpi4py {m['mpi4py']}",
         f"CUDA-aware {info['cuda_aware']}",
         f"repeat calls ({', '.join(info['plan_hit_ops'])}) in {info['all_reduce_hit']}",
+        f"async ops  engine {info['async_engine']}; MPI waits "
+        f"{'yielding the core' if info['mpi_yield_when_idle'] == '1' else 'spinning'}",
         f"torch      {info['torch']}; CUDA devices: "
         f"{', '.join(info['cuda_devices']) if info['cuda_devices'] else 'none'}",
         f"data       h5py {info['h5py']}, lmdb {info['lmdb']}; python {info['python']}",

@@ -9,6 +9,7 @@ We do not defer MPI_Init past this import (mpi4py's ``rc.initialize = False``): 
 later does ``from mpi4py import MPI`` (the user's script, pytest-mpi) would get an MPI that was
 never started and abort on its first call.
 """
+import os
 import sys
 
 import mpi4py
@@ -16,8 +17,28 @@ import mpi4py
 from hpcddp import settings
 
 STARTED_HERE = "mpi4py.MPI" not in sys.modules
+
+
+def _yield_across_nodes() -> None:
+    """Open MPI's ranks spin while they wait for a message; across nodes a wait lasts as long
+    as the network takes, and the async engine's thread waits beside the training step's
+    threads (hpcddp.collectives.engine). There, ask Open MPI to yield the core while nothing
+    has arrived (mpi_yield_when_idle: docs/ddp.md, "How async ops progress"), unless the
+    user set it. The launcher's variables say whether the job spans nodes: MPI is not
+    started yet."""
+    from hpcddp.launch.env import LaunchEnvError, detect
+    try:
+        info = detect()
+    except LaunchEnvError:
+        return               # hpcddp.init reports it
+    if info is not None and ((info.num_nodes or 0) > 1 or (
+            info.local_size and info.size and info.local_size < info.size)):
+        os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+
+
 if STARTED_HERE:
     mpi4py.rc.thread_level = settings.get().thread_level
+    _yield_across_nodes()
 
 try:
     from mpi4py import MPI  # noqa: E402
