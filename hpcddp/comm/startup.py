@@ -186,6 +186,7 @@ def finalize() -> None:
         rt, _runtime = _runtime, None
     if rt is None:
         return
+    _drain_async_engine()
     _run_hooks(hpcddp.ON_MPI_FINALIZE)
     if rt.we_initialized and MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
@@ -195,8 +196,18 @@ def _finalize_at_exit() -> None:
     if not process.in_rank_process():     # a forked child exiting: MPI is its parent's
         return
     if MPI.Is_initialized() and not MPI.Is_finalized():
+        _drain_async_engine()
         _run_hooks(hpcddp.ON_MPI_FINALIZE)
         MPI.Finalize()
+
+
+def _drain_async_engine() -> None:
+    """Let async calls still queued on the engine's thread finish before MPI does (the
+    watchdog still runs: a call that cannot finish ends in its stall report). Looked up, not
+    imported: a process that never ran a collective (the stager) never loads torch for it."""
+    engine = sys.modules.get("hpcddp.collectives.engine")
+    if engine is not None:
+        engine.drain()
 
 
 def _run_hooks(names, *args, **kwargs) -> None:
