@@ -2,7 +2,10 @@
 
 Rank 3 (or the last rank) skips all_reduce #6 and sits in a Python loop; the stall report
 must say it has not called all_reduce #6 on WORLD and is in Python at this file's line.
+With the argument ``async`` every all_reduce is called with async_op=True (on the async
+engine where it is on) and waited for after some compute: the report is the same.
 """
+import sys
 import time
 
 import torch
@@ -25,5 +28,10 @@ for step in range(1, 10):
     if step == 6 and rank == late:
         print(f"[rank{rank}] stall point {time.time():.3f}", flush=True)
         slow_python()
-    hpcddp.all_reduce(t)
+    if sys.argv[1:] == ["async"]:
+        w = hpcddp.all_reduce(t, async_op=True)
+        sum(range(1000))
+        w.wait()
+    else:
+        hpcddp.all_reduce(t)
 print(f"[rank{rank}] done", flush=True)
