@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import traceback
 
 import torch
 
@@ -148,13 +149,17 @@ def _loop() -> None:
         result = exc = inner = None
         try:
             inner = run(call)
-            inner.wait()
-            result = inner.result()
+            if inner is not None:
+                inner.wait()
+                result = inner.result()
         except BaseException as e:   # the caller's wait() (or the future) raises it
             exc = e
         with _lock:
             pending -= 1
             if not pending:
                 _lock.notify_all()
-        work._settle(result, exc)
+        try:
+            work._settle(result, exc)
+        except BaseException:        # never let one Work's future stop the engine
+            traceback.print_exc()
         del run, call, work, inner
