@@ -344,6 +344,54 @@ def test_ddp_smoke(tmp_path):
     row = result["models"][0]
     assert row["model"] == "tiny" and set(row["stats"]) == {"hpcddp", "gloo", "compute"}
     assert "steps/s" in res.stdout
+    # the overlap rows: one bucket's all_reduce beside compute, over both backends
+    ov = result["overlap"]
+    assert ov["bytes"] == 25 << 20 and set(ov) == {"bytes", "hpcddp", "gloo"}
+    for name in ("hpcddp", "gloo"):
+        assert ov[name]["op_ms"] > 0 and ov[name]["compute_ms"] > 0, ov
+        assert -1.5 < ov[name]["overlap"] <= 1.5, ov     # a fraction, give or take noise
+    assert "overlap: all_reduce of one bucket (25 MiB)" in res.stdout
+    assert "bound" not in res.stdout        # one node, no link rate: no bound
+
+
+def test_vcluster_rate_and_relaunch():
+    """--vcluster's link rate and the command line each rank runs."""
+    import argparse
+    from hpcddp.bench import cli_impl, vcluster
+    from hpcddp.cli import bench
+    assert vcluster.link_bytes_per_s("1gbit") == 125e6
+    assert vcluster.link_bytes_per_s("100mbit") == 12.5e6
+    with pytest.raises(SystemExit, match="expected a tc rate"):
+        vcluster.link_bytes_per_s("1 gigabit")
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["ddp", "--vcluster", "2", "--rate", "1gbit", "--models", "tiny"])
+    argv = cli_impl._relaunch_argv(args)
+    assert "--vcluster" not in argv and "--rate" not in argv and "--ranks-per-node" not in argv
+    assert argv[argv.index("--models") + 1] == "tiny"
+
+
+def test_ddp_across_virtual_nodes(tmp_path):
+    """`hpcddp bench ddp --vcluster 2 --rate 1gbit`: its own 2-node cluster, one rank on each
+    (not both on node1), the bound from the link rate, the overlap rows, the cluster gone
+    after."""
+    from vcluster_needs import need_namespaces
+    need_namespaces("hpcddp bench --vcluster")
+    out = tmp_path / "ddp.json"
+    res = subprocess.run(HPCDDP + ["bench", "ddp", "--vcluster", "2", "--rate", "1gbit",
+                                   "--models", "tiny", "--rounds", "2", "--steps", "2",
+                                   "--bucket-mb", "4", "--json", str(out), "--timeout", "300"],
+                         capture_output=True, text=True, timeout=420, env=ENV)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-6000:]}\n{res.stderr[-6000:]}"
+    result = json.loads(out.read_text())
+    assert result["correct"] is True and result["config"]["nodes"] == 2
+    assert result["config"]["link_bytes_per_s"] == 125e6
+    assert result["setup"]["hosts"] == ["node1", "node2"], result["setup"]
+    assert result["setup"]["async_engine"].startswith("on (the job spans 2 nodes)")
+    assert result["models"][0]["bound_steps_per_s"] > 0
+    assert result["overlap"]["hpcddp"]["op_ms"] > 0 and "hpcddp/bound" in res.stdout
+    assert "2 virtual node(s) x 1 rank(s), link 1gbit" in res.stderr
+    assert not os.path.exists("/run/vcluster/hb/nodes"), "the benchmark's cluster was left up"
 
 
 def test_stage_smoke(tmp_path):

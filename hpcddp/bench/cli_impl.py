@@ -21,7 +21,7 @@ def _split(text, what: str, valid) -> list[str]:
 def _relaunch_argv(args) -> list[str]:
     """This command line again, without --np (what each rank of the started job runs)."""
     argv = [sys.executable, "-m", "hpcddp", "bench", args.bench]
-    skip = {"bench", "np", "timeout", "_run", "command"}
+    skip = {"bench", "np", "timeout", "_run", "command", "vcluster", "rate", "ranks_per_node"}
     for key, value in sorted(vars(args).items()):
         if key in skip or value is None or value is False:
             continue
@@ -54,6 +54,9 @@ def main(args) -> int:
     from hpcddp.launch import detect
     launched = detect()
     if launched is None or (launched.size is not None and launched.size <= 1):
+        if getattr(args, "vcluster", None):
+            from hpcddp.bench import vcluster
+            return vcluster.launch(args, _relaunch_argv(args))
         if getattr(args, "np", None):
             return _launch(args)
         print(f"hpcddp bench {args.bench}: needs an MPI job of at least 2 ranks; run it as "
@@ -133,9 +136,13 @@ def _ddp(args) -> int:
     from hpcddp.bench import ddp
     from hpcddp.comm import log
     models = _split(args.models, "model", tuple(ddp.MODELS))
+    link = None
+    if args.link_rate:
+        from hpcddp.bench.vcluster import link_bytes_per_s
+        link = link_bytes_per_s(args.link_rate)
     result = ddp.run(models, batch=args.batch, steps=args.steps, rounds=args.rounds or 5,
                      bucket_mb=args.bucket_mb, seed=args.seed,
-                     progress=lambda s: log(f"bench ddp: {s}"))
+                     progress=lambda s: log(f"bench ddp: {s}"), link_bytes_per_s=link)
     _shutdown()
     if result is None:
         return 0

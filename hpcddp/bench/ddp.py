@@ -13,10 +13,18 @@ A round runs N steps of each mode, in an order rotated every round; round 1 is d
 step's time is the MAX over ranks; ratios are per-round paired. hpcddp and gloo take exactly
 the same steps, so after the run their weights must agree (the 2-value sums are the same
 floating-point additions): that is the correctness check.
+
+Across nodes with a known link rate (``--link-rate``, set by ``--vcluster ... --rate``), each
+model also gets its bound: the larger of the compute-only step and the gradient bytes a ring
+all-reduce moves over each node's link, 2(M-1)/M x the gradients for M nodes. Then the overlap
+rows: an all_reduce of one bucket alone, a matmul loop of the same length alone, and both
+(``async_op=True``, the compute, ``wait()``), over hpcddp and over gloo; overlap = (op +
+compute - both) / min(op, compute): 1 when the op hid entirely behind the compute.
 """
 from __future__ import annotations
 
 import gc
+import time
 
 # name -> (input features, hidden width, hidden layers h->h). Parameters:
 #   10M: 1024*2048 + 2*2048*2048 + 2048*10 (+ biases) = 10.5 M
@@ -65,7 +73,7 @@ class _Trainer:
 
 def run(models=("10M", "50M"), batch: int = 32, steps: int | None = None, rounds: int = 5,
         bucket_mb: float = 25.0, seed: int = 0, round_s: float = 1.0, progress=None,
-        ctx=None) -> dict | None:
+        ctx=None, link_bytes_per_s: float | None = None) -> dict | None:
     """Run the DDP benchmark; collective over the world. Returns the result on rank 0."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -151,19 +159,78 @@ def run(models=("10M", "50M"), batch: int = 32, steps: int | None = None, rounds
                 progress(f"{name} ({params / 1e6:.1f}M params) done")
         del trainers, copies, fns, base
         gc.collect()
+    overlap = _overlap(ctx, max(4, int(bucket_mb * (1 << 20)) // 4 * 4), rounds)
     load = meter.stop()
     from hpcddp.collectives import _node  # what the node-local paths' races chose (setup)
+    from hpcddp.comm import startup
+    nodes = startup.runtime().topology.num_nodes
     if ctx.rank != 0:
         return None
+    if link_bytes_per_s and nodes > 1:
+        for row in rows:
+            comm_s = 2 * (nodes - 1) / nodes * row["grad_bytes"] / link_bytes_per_s
+            row["bound_steps_per_s"] = 1.0 / max(comm_s, 1.0 / row["stats"]["compute"]["steps_per_s"])
     result = {"kind": "hpcddp-bench-ddp", "version": 1, "setup": setup, "load": load,
               "node_paths": list(_node.decisions),
               "config": {"models": list(models), "batch_per_rank": batch, "rounds": rounds,
                          "discarded_rounds": 1, "bucket_cap_mb": bucket_mb, "seed": seed,
                          "optimizer": "SGD lr=0.01", "ranks": ctx.n,
-                         "model_shapes": {m: MODELS[m] for m in models}},
-              "models": rows, "correct": correct_all}
+                         "model_shapes": {m: MODELS[m] for m in models},
+                         "nodes": nodes, "link_bytes_per_s": link_bytes_per_s},
+              "models": rows, "overlap": overlap, "correct": correct_all}
     result["targets"] = targets(result)
     return result
+
+
+def _overlap(ctx, nbytes: int, rounds: int) -> dict:
+    """The overlap rows (module docstring): per backend, medians over rounds 2.. of the op,
+    the compute, both, and how long the async call took to return (MAX over ranks)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from hpcddp.comm import MPI
+    ctl = ctx.ctl
+    t = torch.ones(nbytes // 4)
+    a = torch.randn(256, 256)
+    groups = {"hpcddp": None, "gloo": ctx.gloo}
+
+    def compute(k: int) -> None:
+        for _ in range(k):
+            torch.mm(a, a)
+
+    def timed(fn) -> float:
+        ctl.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    for g in groups.values():
+        dist.all_reduce(t, group=g)
+    per = timed(lambda: compute(20)) / 20
+    # the compute's length: the op's, over hpcddp, the same k on every rank
+    k = ctl.bcast(max(1, round(timed(lambda: dist.all_reduce(t)) / per)), root=0)
+    local = np.zeros((rounds, len(groups), 4))
+    for r in range(rounds):
+        for j, (name, g) in enumerate(groups.items()):
+            op = timed(lambda: dist.all_reduce(t, group=g))
+            comp = timed(lambda: compute(k))
+            ctl.Barrier()
+            t0 = time.perf_counter()
+            w = dist.all_reduce(t, group=g, async_op=True)
+            ret = time.perf_counter() - t0
+            compute(k)
+            w.wait()
+            local[r, j] = (op, comp, time.perf_counter() - t0, ret)
+    both = np.empty_like(local)
+    ctl.Allreduce(local, both, op=MPI.MAX)
+    out = {"bytes": nbytes}
+    for j, name in enumerate(groups):
+        op, comp, whole, ret = (float(np.median(both[1:, j, i])) for i in range(4))
+        out[name] = {"op_ms": op * 1e3, "compute_ms": comp * 1e3, "both_ms": whole * 1e3,
+                     "returned_ms": ret * 1e3,
+                     "overlap": (op + comp - whole) / min(op, comp)}
+    return out
 
 
 def _align(trainers) -> None:
@@ -203,7 +270,31 @@ def table(result: dict, markdown: bool = False) -> str:
                      rat("hpcddp/compute"), rat("hpcddp_comm_ms"), rat("gloo_comm_ms"),
                      "ok" if m["correct"] else f"WRONG (max diff {m['max_param_diff']:.3g})"])
     cfg = result.get("config", {})
-    title = (f"DDP training, {cfg.get('ranks')} ranks, MLP, SGD, bucket_cap_mb "
+    bound = any("bound_steps_per_s" in m for m in result.get("models", []))
+    if bound:
+        header[5:5] = ["bound steps/s", "hpcddp/bound", "gloo/bound"]
+        for row, m in zip(rows, result["models"]):
+            b = m["bound_steps_per_s"]
+            row[5:5] = [_num(b), _num(m["stats"]["hpcddp"]["steps_per_s"] / b),
+                        _num(m["stats"]["gloo"]["steps_per_s"] / b)]
+    nodes = cfg.get("nodes") or 1
+    title = (f"DDP training, {cfg.get('ranks')} ranks"
+             f"{f' on {nodes} nodes' if nodes > 1 else ''}, MLP, SGD, bucket_cap_mb "
              f"{cfg.get('bucket_cap_mb')}: median steps/s over rounds (MAX over ranks); ratios: "
              f"median (quartiles) of per-round paired ratios; comm = step time − compute step")
-    return _render(title, header, rows, markdown)
+    if bound:
+        title += (f"; bound: max(compute step, 2(M-1)/M x gradients at "
+                  f"{cfg['link_bytes_per_s'] / 1e6:.0f} MB/s per link)")
+    text = _render(title, header, rows, markdown)
+    ov = result.get("overlap")
+    if ov:
+        oh = ["backend", "all_reduce ms", "compute ms", "both ms", "async call returned ms",
+              "overlap"]
+        orows = [[name, _num(ov[name]["op_ms"]), _num(ov[name]["compute_ms"]),
+                  _num(ov[name]["both_ms"]), _num(ov[name]["returned_ms"]),
+                  _num(ov[name]["overlap"])] for name in ("hpcddp", "gloo") if name in ov]
+        text += "\n\n" + _render(
+            f"overlap: all_reduce of one bucket ({ov['bytes'] / (1 << 20):.0f} MiB) with "
+            f"async_op=True beside compute of the same length; overlap = (op + compute - "
+            f"both) / min(op, compute), medians over rounds", oh, orows, markdown)
+    return text

@@ -160,7 +160,7 @@ def describe(ctl, world_size: int, extra: dict | None = None) -> dict:
     import mpi4py
     import numpy
     import torch
-    from hpcddp.collectives import _plans
+    from hpcddp.collectives import _plans, engine
     rt = runtime()
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     per_rank = ctl.gather({"host": socket.gethostname(), "affinity": affinity}, root=0)
@@ -189,6 +189,8 @@ def describe(ctl, world_size: int, extra: dict | None = None) -> dict:
         "all_reduce_hit": _plans.KIND,
         "plan_hit_ops": list(_plans.PLANNED_OPS),
         "gloo_transport": "tcp (no shared-memory transport exists in gloo)",
+        "async_engine": engine.state(),
+        "mpi_yield_when_idle": os.environ.get("OMPI_MCA_mpi_yield_when_idle", ""),
     }
     if per_rank is not None:
         setup["rank_affinity"] = [p["affinity"] for p in per_rank]

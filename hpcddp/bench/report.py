@@ -176,6 +176,9 @@ def setup_lines(result: dict) -> list[str]:
         ops = s.get("plan_hit_ops", ["all_reduce"])   # runs before the exchange plans: one
         lines.append(f"plan hits ({', '.join(ops)} on tensors used before): "
                      f"{s['all_reduce_hit']}")
+    if s.get("async_engine"):
+        lines.append(f"async ops: engine {s['async_engine']}; Open MPI waits "
+                     f"{'yielding the core' if s.get('mpi_yield_when_idle') == '1' else 'spinning'}")
     lines.append(f"ranks {s.get('ranks')} on {len(s.get('hosts', [])) or '?'} host(s), affinity "
                  f"{s.get('rank_affinity')}, OMP_NUM_THREADS={s.get('omp_num_threads')}, torch "
                  f"threads {s.get('torch_threads')}")

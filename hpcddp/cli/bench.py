@@ -11,6 +11,7 @@ launcher with exactly the ranks you mean to measure (ranks busy-poll: never more
     mpirun -n 2 hpcddp bench ddp --json ddp.json
     HPCDDP_RANKS_PER_NODE=1 mpirun -n 2 hpcddp bench stage --dir /tmp/stage
     hpcddp bench comm --np 2                          # starts mpirun itself
+    hpcddp bench ddp --vcluster 2 --rate 1gbit        # across 2 virtual nodes (root)
     hpcddp bench report comm.json --compare docs/benchmarks/comm.json
 
 --compare FILE.json exits 1 if a row is more than --threshold (10 %) worse than the saved
@@ -36,8 +37,19 @@ def _common(p: argparse.ArgumentParser, mpi: bool = True) -> None:
         p.add_argument("--np", type=int, metavar="N",
                        help="not under a launcher: start `mpirun -n N` (bound one rank per "
                             "core, Open MPI shared memory) on this command and wait")
+        p.add_argument("--vcluster", type=int, metavar="N",
+                       help="not under a launcher: bring up N virtual nodes of this machine "
+                            "(scripts/vcluster.sh, root), run there with the ranks placed "
+                            "as across real nodes, and take them down (docs/benchmarks.md)")
+        p.add_argument("--rate", metavar="RATE",
+                       help="--vcluster: each node's link, a tc rate such as 1gbit "
+                            "(default: unshaped); also gives the bound")
+        p.add_argument("--ranks-per-node", type=int, default=1, metavar="K",
+                       help="--vcluster: ranks on each virtual node (default 1)")
+        p.add_argument("--link-rate", metavar="RATE", help=argparse.SUPPRESS)
         p.add_argument("--timeout", type=float, default=3600,
-                       help="--np: kill the job after this many seconds (default 3600)")
+                       help="--np, --vcluster: kill the job after this many seconds "
+                            "(default 3600)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,13 +26,12 @@ def _yield_across_nodes() -> None:
     has arrived (mpi_yield_when_idle: docs/ddp.md, "How async ops progress"), unless the
     user set it. The launcher's variables say whether the job spans nodes: MPI is not
     started yet."""
-    from hpcddp.launch.env import LaunchEnvError, detect
+    from hpcddp.launch.env import LaunchEnvError, detect, spans_nodes
     try:
         info = detect()
     except LaunchEnvError:
         return               # hpcddp.init reports it
-    if info is not None and ((info.num_nodes or 0) > 1 or (
-            info.local_size and info.size and info.local_size < info.size)):
+    if spans_nodes(info):
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 

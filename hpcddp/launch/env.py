@@ -578,6 +578,16 @@ def detect(env: Mapping[str, str] | None = None) -> Optional[LaunchInfo]:
 
 # --------------------------------------------------------------------------- against MPI
 
+def spans_nodes(info: Optional[LaunchInfo]) -> bool:
+    """Whether the launcher's variables say the job runs on several nodes (before MPI starts:
+    more nodes than one, or fewer ranks on this node than in the job)."""
+    if info is None:
+        return False
+    if info.num_nodes is not None:
+        return info.num_nodes > 1
+    return bool(info.local_size and info.size and info.local_size < info.size)
+
+
 def _commands(n: int, argv) -> list:
     """What to run instead of torchrun: this program under mpirun, srun and ``hpcddp run``."""
     argv = list(argv or ())

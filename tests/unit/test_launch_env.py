@@ -637,3 +637,20 @@ def test_run_mpi_gives_up_after_the_retries(monkeypatch):
     res = mpirun.run_mpi(2, ["true"], timeout=10)
     assert res.returncode == 213 and len(calls) == 1 + mpirun.LAUNCH_RETRIES
     assert "the launcher failed to start" in res.stderr
+
+
+@pytest.mark.parametrize("env,spans", [
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, True),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, False),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NNODES": "2",
+      "SLURM_NODEID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4",
+      "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+      "SLURM_TASKS_PER_NODE": "2(x2)"}, True),
+    ({}, False),
+], ids=["ompi-2-nodes", "ompi-1-node", "slurm-2-nodes", "singleton"])
+def test_spans_nodes(env, spans):
+    """What decides, before MPI starts, that Open MPI should yield while idle (comm/_mpi.py)."""
+    from hpcddp.launch.env import spans_nodes
+    assert spans_nodes(detect(env)) is spans
