@@ -28,7 +28,7 @@ import traceback
 import torch
 
 from hpcddp import settings
-from hpcddp.collectives.work import Work
+from hpcddp.collectives.work import Work, completed_future, pending_future, settle
 
 pending = 0                      # calls queued or running on the engine (read without the lock)
 _on: bool | None = None          # decided at the first question (on())
@@ -75,14 +75,15 @@ class EngineWork(Work):
     def __init__(self):
         super().__init__([], None)
         self._event = threading.Event()
+        self._source = None           # what the engine completes; _future: what is handed out
 
     def _settle(self, result, exc) -> None:          # the engine thread
         with self._lock:
             self._result, self._exc, self._done = result, exc, True
-            fut = self._future
+            source = self._source
         self._event.set()
-        if fut is not None:
-            _set(fut, result, exc)
+        if source is not None:
+            settle(source, result, exc)
 
     def wait(self, timeout=None) -> bool:
         if not self._event.is_set():
@@ -96,21 +97,12 @@ class EngineWork(Work):
 
     def get_future(self) -> torch.futures.Future:
         with self._lock:
-            fut = self._future
-            if fut is not None:
-                return fut
-            fut = self._future = torch.futures.Future()
-            done = self._done
-        if done:
-            _set(fut, self._result, self._exc)
-        return fut
-
-
-def _set(fut, result, exc) -> None:
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
+            if self._future is None:
+                if self._done:
+                    self._future = completed_future(self._result, self._exc)
+                else:
+                    self._source, self._future = pending_future()
+            return self._future
 
 
 def submit(run, call) -> EngineWork:

@@ -267,30 +267,55 @@ class AllWork(Work):
         return self._future
 
 
+# -- futures whose failure torch's C++ side sees ----------------------------------------------
+# torch's Future.set_exception stores the exception as the future's *value* and raises it only
+# for Python callers; C++ readers (DDP's reducer parsing a bucket's result) get a Python object
+# where they expect a tensor list, and crash. A callback that raises marks the future it returns
+# failed for C++ too: so a future that may fail is handed out as SOURCE.then(_value).
+
+def _value(source):
+    return source.value()      # raises what set_exception put in SOURCE
+
+
+def pending_future() -> tuple:
+    """(source, future): complete SOURCE with set_result/set_exception; hand out FUTURE."""
+    source = torch.futures.Future()
+    return source, source.then(_value)
+
+
+def completed_future(result, exc) -> torch.futures.Future:
+    """A future done with RESULT, or failed with EXC (for C++ readers too)."""
+    fut = torch.futures.Future()
+    if exc is None:
+        fut.set_result(result)
+        return fut
+    fut.set_exception(exc)
+    return fut.then(_value)
+
+
+def settle(source, result, exc) -> None:
+    if exc is not None:
+        source.set_exception(exc)
+    else:
+        source.set_result(result)
+
+
 def future_of(w) -> torch.futures.Future:
     """``get_future()`` of W, a Work or a C P2PWork (both keep it in ``_future``): made once,
     completed here by waiting or, with HPCDDP_FUTURE=thread, by the progress thread."""
     fut = w._future
     if fut is not None:
         return fut
-    fut = w._future = torch.futures.Future()
     if _FUTURE_MODE == "thread" and not w.is_completed():
-        _progress().put(w)
-        return fut
+        source, w._future = pending_future()
+        _progress().put((w, source))
+        return w._future
     try:
         w.wait()
     except BaseException:
         pass
-    _settle(w)
-    return fut
-
-
-def _settle(w) -> None:
-    exc = w.exception()
-    if exc is not None:
-        w._future.set_exception(exc)
-    else:
-        w._future.set_result(w.result())
+    w._future = completed_future(w.result(), w.exception())
+    return w._future
 
 
 class TorchP2PWork(dist._Work):
@@ -339,11 +364,11 @@ def _progress() -> queue.Queue:
 
         def loop():
             while True:
-                w = _queue.get()
+                w, source = _queue.get()
                 try:
                     w.wait()
                 except BaseException:
                     pass
-                _settle(w)
+                settle(source, w.result(), w.exception())
         threading.Thread(target=loop, name="hpcddp-progress", daemon=True).start()
     return _queue

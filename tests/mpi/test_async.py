@@ -317,3 +317,31 @@ def test_exception_reported():
     fut = w2.get_future()
     with pytest.raises(RuntimeError, match="finishing step failed"):
         fut.wait()
+
+
+def test_failed_future_is_failed_for_cpp_readers_too():
+    """torch's Future.set_exception keeps the exception as the future's value for Python only:
+    C++ readers (DDP's reducer, a Work made from the future) took it for a result and crashed
+    (elastic mode's lost rank in a bucket all-reduce on the async engine). hpcddp's futures of
+    failed ops are failed in C++ too, as a C++ Work made from one says."""
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    def cpp_view(fut):
+        w = _create_work_from_future(fut)
+        w.wait()
+        return w.is_success(), str(w.exception() or "")
+    ok, text = cpp_view(W.completed_future(None, RuntimeError("MPI_ERR_PROC_FAILED: a peer")))
+    assert not ok and "MPI_ERR_PROC_FAILED" in text
+    source, fut = W.pending_future()
+    W.settle(source, None, RuntimeError("MPI_ERR_REVOKED"))
+    ok, text = cpp_view(fut)
+    assert not ok and "MPI_ERR_REVOKED" in text
+    with pytest.raises(RuntimeError, match="MPI_ERR_REVOKED"):
+        fut.wait()
+    source, fut = W.pending_future()
+    W.settle(source, [torch.ones(2)], None)
+    assert cpp_view(fut) == (True, "") and torch.equal(fut.wait()[0], torch.ones(2))
+    # a plain set_exception future, for contrast: C++ sees a success
+    plain = torch.futures.Future()
+    plain.set_exception(RuntimeError("invisible"))
+    assert cpp_view(plain)[0] is True

@@ -30,8 +30,10 @@ ROUTES = {
 @pytest.mark.parametrize("op", sorted(ROUTES))
 def test_every_op_runs_its_table_rows_in_order(op):
     module, name = ROUTES[op]
-    aware, on_aware, staged, floor, last, rows = getattr(
+    aware, on_aware, staged, floor, last, rows, queued = getattr(
         importlib.import_module(f"hpcddp.collectives.{module}"), name)
+    # collectives may be queued on the async engine; point-to-point ops never are
+    assert queued is (op not in paths.POSTED)
     table = [p for p in paths.PATHS[op] if not p.before_call]
     # the device rows first: CUDA-aware MPI where it applies, else host staging, one runner
     assert tuple(table[:2]) == (paths.CUDA_AWARE, paths.STAGED) == paths.DEVICE
@@ -76,7 +78,7 @@ def _fake_table(monkeypatch, asked):
 
 def _call(nbytes, device=False):
     c = Call()
-    c.device, c.nbytes = device, nbytes
+    c.device, c.nbytes, c.queued = device, nbytes, False
     return c
 
 
