@@ -204,6 +204,9 @@ VARS: tuple[Var, ...] = (
         "large all_reduce across nodes in two levels: shared memory inside a node, each byte "
         "across nodes once (auto: where a start-up race finds it faster than MPI)",
         "multinode-testing.md"),
+    Var("HPCDDP_RING", _path_mode, "auto", "0, 1/auto, force",
+        "large SUM/AVG all_reduce across nodes as a pipelined ring over point-to-point "
+        "(auto: groups spanning several nodes)", "benchmarks.md"),
     Var("HPCDDP_FASTPATH", _path_mode, "auto", "0, 1/auto, force",
         "repeat calls run in the C module (0: the Python hit)", "benchmarks.md"),
     Var("HPCDDP_LIST_P2P_MAX_RANKS", _positive_int, 8, "ranks",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hpcddp import settings
-from hpcddp.collectives import _cma, _device, _hier, _large, _lists, _node, _plans, _shm
+from hpcddp.collectives import _cma, _device, _hier, _large, _lists, _node, _plans, _ring, _shm
 from hpcddp.collectives import engine as _engine
 from hpcddp.collectives._common import agree_recorded, as_array, resolve
 from hpcddp.comm.buffers import DeviceTensor
@@ -130,6 +130,10 @@ def _hier_applies(c: Call) -> bool:     # pieces over MPI's count limit take the
     return _hier.usable(c.comm, c.nbytes) and not _large.too_big(c.arr)
 
 
+def _ring_applies(c: Call) -> bool:    # pieces over MPI's count limit take the MPI row
+    return _ring.usable(c.comm, c.nbytes, c.arr, c.mop) and not _large.too_big(c.arr)
+
+
 def _cma_applies(c: Call) -> bool:
     return _cma.usable(c.comm, c.nbytes)
 
@@ -159,6 +163,11 @@ LISTS = Path("point-to-point", "the list form", _p2p_lists, applies=_lists_appli
 HIER = Path("hierarchical", "several nodes, the same number of ranks on each, from "
             f"{_mib(_hier.MIN_BYTES)}", _hier_state, min_bytes=_hier.MIN_BYTES,
             applies=_hier_applies)
+RING = Path("ring", "SUM/AVG/PREMUL_SUM of float32/64, int32/64, several nodes, from "
+            f"{_mib(_ring.MIN_BYTES)}", _node_local("ring", "HPCDDP_RING",
+                                                     lambda c: _ring.ring(c), "ring",
+                                                     "the group is on one node"),
+            min_bytes=_ring.MIN_BYTES, applies=_ring_applies)
 PIECES = "; over MPI's count limit of 2^31-1 elements, in pieces"
 
 
@@ -168,7 +177,8 @@ def _mpi(call: str, pieces: bool = True) -> Path:
 
 PATHS: dict[str, tuple[Path, ...]] = {
     "all_reduce": (Path("plan hit", f"SUM of a tensor reduced before, below {_mib(AGREE_BYTES)}",
-                        _plan_hit, before_call=True), *DEVICE, ARENA, HIER, _mpi("Allreduce")),
+                        _plan_hit, before_call=True), *DEVICE, ARENA, HIER, RING,
+                   _mpi("Allreduce")),
     "broadcast": (*DEVICE, Path("CMA", f"from {_mib(_cma.MIN_BYTES)}", _cma_state,
                                min_bytes=_cma.MIN_BYTES, applies=_cma_applies), HIER,
                   _mpi("Bcast")),
@@ -221,7 +231,7 @@ def route(op: str, **runs: Callable) -> tuple:
 
 
 def _kind(p: Path) -> str:
-    return {"shm arena": "arena", "CMA": "cma", "hierarchical": "hier",
+    return {"shm arena": "arena", "CMA": "cma", "hierarchical": "hier", "ring": "ring",
             "point-to-point": "lists"}.get(p.name, "mpi")
 
 

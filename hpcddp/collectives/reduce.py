@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hpcddp.collectives import _hier
+from hpcddp.collectives import _ring
 from hpcddp.collectives import _large
 from hpcddp.collectives import _shm
 from hpcddp.collectives import _lists
@@ -91,6 +92,15 @@ def _all_reduce_hier(c: Call):
     return CompletedWork([c.tensor]) if c.async_op else None
 
 
+def _all_reduce_ring(c: Call):
+    _hier.agree(c.comm, c.entry, c.kind)
+    pre_reduce(c.tensor, c.op, c.kind)
+    _ring.ring(c.comm).all_reduce(c.arr)
+    post_reduce(c.tensor, c.kind, c.comm.size)
+    record_end(c.entry)
+    return CompletedWork([c.tensor]) if c.async_op else None
+
+
 def _all_reduce_mpi(c: Call):
     tensor, arr, kind = c.tensor, c.arr, c.kind
     if kind == SUM_KIND and not _large.too_big(arr):   # == : torch hands out new enum objects
@@ -115,7 +125,7 @@ def _all_reduce_mpi(c: Call):
 
 
 _ALL_REDUCE = route("all_reduce", device=_all_reduce_device, arena=_all_reduce_arena,
-                    hier=_all_reduce_hier, mpi=_all_reduce_mpi)
+                    hier=_all_reduce_hier, ring=_all_reduce_ring, mpi=_all_reduce_mpi)
 
 
 # -- reduce ------------------------------------------------------------------------------------

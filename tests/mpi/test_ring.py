@@ -1,0 +1,103 @@
+"""The ring path (hpcddp.collectives._ring): large all_reduce across nodes, at 2, 3 and 4 ranks
+on emulated nodes of one rank each, against a numpy reference: exact sums of every dtype it
+takes, sizes that divide neither by the ranks nor by the chunk, AVG and PREMUL_SUM, the same
+bits on every rank, the rows it leaves to MPI, and user messages with the same tags beside it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import hpcddp
+from hpcddp.collectives import _node, _ring, paths
+
+# emulated nodes share one host's shared memory: the arena would take the calls first
+MPI_ENV = {"HPCDDP_RANKS_PER_NODE": "1", "HPCDDP_SHM_ALLREDUCE": "0"}
+pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def world():
+    if not dist.is_initialized():
+        hpcddp.init_process_group()
+    return dist.get_world_size(), dist.get_rank()
+
+
+def _value(r, numel, dtype):
+    return torch.from_numpy((np.arange(numel) * 3 + r * 7) % 11).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64])
+@pytest.mark.parametrize("numel", [(1 << 18) + 3, (3 << 20) + 5], ids=["1MiB+3", "12MiB+5"])
+def test_sum_is_exact(world, dtype, numel):
+    n, r = world
+    if numel * torch.empty(0, dtype=dtype).element_size() < _ring.MIN_BYTES:
+        pytest.skip("below the ring's size")
+    t = _value(r, numel, dtype)
+    dist.all_reduce(t)
+    want = sum(_value(q, numel, dtype) for q in range(n))
+    assert torch.equal(t, want)
+    # every rank holds the same bits
+    got = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(got, t)
+    assert all(torch.equal(g, t) for g in got)
+
+
+def test_the_ring_took_the_call(world, monkeypatch):
+    n, _ = world
+    calls = []
+    real = _ring.Ring.all_reduce
+    monkeypatch.setattr(_ring.Ring, "all_reduce", lambda self, arr: (calls.append(arr.size),
+                                                                    real(self, arr)))
+    t = torch.ones(1 << 20)
+    dist.all_reduce(t)
+    assert calls == [1 << 20] and torch.equal(t, torch.full((1 << 20,), float(n)))
+    # below its size, other dtypes and other ops: MPI's row
+    for t, op in ((torch.ones(1000), dist.ReduceOp.SUM),
+                  (torch.ones(1 << 20, dtype=torch.float16), dist.ReduceOp.SUM),
+                  (torch.ones(1 << 20), dist.ReduceOp.MAX)):
+        dist.all_reduce(t, op=op)
+    assert calls == [1 << 20]
+    assert "ring" in paths.format_table(paths.table(hpcddp.world()))
+
+
+def test_avg_and_premul_sum(world):
+    n, r = world
+    t = torch.full(((1 << 20) + 1,), float(r))
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    assert torch.allclose(t, torch.full_like(t, (n - 1) / 2))
+    t = torch.full(((1 << 20) + 1,), float(r + 1), dtype=torch.float64)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0))
+    assert torch.equal(t, torch.full_like(t, float(n * (n + 1))))
+
+
+def test_async_and_user_messages_beside_it(world):
+    """An async ring all_reduce with the user's point-to-point messages on the same group and
+    the ring's own tags (1, 2): the ring's go over its private communicator."""
+    n, r = world
+    t = torch.full((1 << 20,), float(r))
+    w = dist.all_reduce(t, async_op=True)
+    got = torch.zeros(4)
+    reqs = [dist.isend(torch.full((4,), float(r)), (r + 1) % n, tag=1),
+            dist.irecv(got, (r - 1) % n, tag=1)]
+    for q in reqs:
+        q.wait()
+    w.wait()
+    assert torch.equal(got, torch.full((4,), float((r - 1) % n)))
+    assert torch.equal(t, torch.full_like(t, float(n * (n - 1) // 2)))
+
+
+def test_the_group_layout_decides_the_same_everywhere(world):
+    """A sub-group: the ring is made collectively on its first large call, or not at all."""
+    n, r = world
+    if n < 3:
+        pytest.skip("needs a proper sub-group")
+    g = dist.new_group([0, 2])
+    if r in (0, 2):
+        t = torch.full((1 << 20,), float(r))
+        dist.all_reduce(t, group=g)
+        assert torch.equal(t, torch.full_like(t, 2.0))
+    dist.barrier()
+    assert not [d for d in _node.decisions if d["path"].startswith("ring")]
