@@ -1,6 +1,6 @@
 """scripts/cost_model.py: its formulas against values worked by hand for small N, its staging
-strategy against hpcddp's, its calibration and the measured figures it takes from the docs (no
-MPI; the model is arithmetic)."""
+strategy against hpcddp's, its calibration and the measured figures it takes from the docs, and
+the docs' tables against what it prints (no MPI; the model is arithmetic)."""
 from __future__ import annotations
 
 import importlib.util
@@ -141,3 +141,19 @@ def test_calibration_figures_are_the_pages():
     assert len(gloo) == 5
     assert measured["DDP 10M, gloo, 2 nodes: comm ms/step"] == (min(gloo), max(gloo))
 
+
+def _section(page: str, title: str) -> str:
+    """docs/PAGE from the heading TITLE to the next second-level heading."""
+    text = (ROOT / "docs" / page).read_text()
+    start = text.index(title)
+    end = text.find("\n## ", start)
+    return text[start:end if end > 0 else None]
+
+
+@pytest.mark.parametrize("page, title, key", [
+    ("benchmarks.md", "### On paper: 2 to 1024 nodes", "benchmarks")])
+def test_docs_quote_what_the_script_prints(page, title, key):
+    section = _section(page, title)
+    for table in cm.sections()[key]:
+        assert table in section, (f"docs/{page} is out of date: regenerate it with "
+                                  f"python scripts/cost_model.py --section {key}\n{table}")
