@@ -151,7 +151,8 @@ def _section(page: str, title: str) -> str:
 
 
 @pytest.mark.parametrize("page, title, key", [
-    ("benchmarks.md", "### On paper: 2 to 1024 nodes", "benchmarks")])
+    ("benchmarks.md", "### On paper: 2 to 1024 nodes", "benchmarks"),
+    ("data.md", "### On paper: staging time", "data")])
 def test_docs_quote_what_the_script_prints(page, title, key):
     section = _section(page, title)
     for table in cm.sections()[key]:
