@@ -114,6 +114,13 @@ def test_help_explains(capsys):
     assert "--check" in out and "alpha-beta-gamma" in out and "off by more than 15%" in out
 
 
+def test_check_fails_beyond_the_tolerance(monkeypatch, capsys):
+    what, source, nodes, nbytes, quantity, _, _ = cm.CALIBRATION[0]
+    monkeypatch.setattr(cm, "CALIBRATION", [(what, source, nodes, nbytes, quantity, 200, 200)])
+    assert cm.main(["--check"]) == 1          # the model says 116 MB/s
+    assert "0 of 1 figures within ±15%" in capsys.readouterr().out
+
+
 def test_calibration_figures_are_the_pages():
     """CALIBRATION's measured figures are those docs/benchmarks.md and docs/ddp.md quote."""
     bench = (ROOT / "docs" / "benchmarks.md").read_text()
