@@ -18,6 +18,7 @@ COMMANDS = {
     "run": ("hpcddp.cli.run", "run a Python script with hpcddp initialised and abort-on-exception on"),
     "pack": ("hpcddp.cli.pack", "pack files or arrays into a sharded LMDB or HDF5 data set"),
     "stage": ("hpcddp.cli.stage", "stage a packed data set to node-local storage (scatter-then-broadcast)"),
+    "launch": ("hpcddp.cli.launch", "start mpirun/srun so that it always ends: keepalives, an end after an abort, a true status"),
     "submit": ("hpcddp.cli.submit", "render a Slurm job from a template and submit it with sbatch"),
     "bench": ("hpcddp.cli.bench", "benchmarks: comm, ddp, stage against raw mpi4py and gloo"),
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from hpcddp.diagnostics.network import lossy_links
 from hpcddp.diagnostics.recorder import P2P_OPS
 
 _SELF_TIMED = ("monitored_barrier",)   # it raises on its own timeout, naming the missing ranks
@@ -157,7 +158,18 @@ def _call(d: dict) -> tuple:
 
 def analyse(snaps: dict, gone: dict, size: int) -> dict:
     """What is stuck and why. snaps: rank -> snapshot; gone: rank -> what is known of a rank
-    that did not answer. Returns {"lines": [...], "hints": [...], "stall": bool}."""
+    that did not answer. Returns {"lines": [...], "hints": [...], "stall": bool}: the calls
+    first, then the TCP connections that lose packets (ranks all waiting in the same call may
+    be waiting for a lossy link)."""
+    found = _analyse_calls(snaps, gone, size)
+    network = lossy_links(snaps)
+    if network:
+        found["lines"] += network
+        found["hints"].append(_HINT["network"])
+    return found
+
+
+def _analyse_calls(snaps: dict, gone: dict, size: int) -> dict:
     lines, hints, kinds = [], [], set()
     r0, op = stalled_op(snaps)
     dead = sorted(gone)
@@ -223,6 +235,10 @@ def analyse(snaps: dict, gone: dict, size: int) -> dict:
             elif d["seq"] == seq:
                 kinds.add("mismatch")
                 other[m] = f"called {op_text(d)} instead"
+            elif d["seq"] == seq + 1 and _finished_same(s, key, op):
+                # a ring or a tree lets a rank finish its part of a call before the others
+                other[m] = (f"has finished its part of #{seq} and waits in the next call, "
+                            f"{op_text(d)}")
             elif d["seq"] > seq:
                 kinds.add("mismatch")
                 other[m] = (f"already passed #{seq} and is in {op_text(d)}: its calls were "
@@ -279,6 +295,14 @@ def analyse(snaps: dict, gone: dict, size: int) -> dict:
         if r not in members:
             lines.append(f"rank {r} (not in {op['group']}) is {dead_text(gone[r])}")
     return {"lines": lines, "hints": _hints(kinds), "stall": True}
+
+
+def _finished_same(snap: dict, key, op: dict) -> bool:
+    """Whether SNAP's rank completed call #seq of OP's group as the same call (op, shape, dtype)."""
+    rec = [d for d in (_last_on(snap, key) or {}).get("recent", [])
+           if d and d["seq"] == op["seq"] and d.get("done_ago") is not None
+           and not d.get("abandoned")]
+    return bool(rec) and all(rec[0].get(k) == op.get(k) for k in ("op", "shape", "dtype"))
 
 
 def _differing_calls(snaps: dict, members: list, key, seq: int, group: str) -> str:
@@ -340,6 +364,9 @@ def _grouped(status: dict) -> list:
 
 
 _HINT = {
+    "network": "A link loses packets: TCP resends them, slower and slower, and the collectives "
+               "stall. Check the named host's link (`ip -s link`, `ethtool -S`, its switch "
+               "port) and keep the job off that node until it is mended (Slurm: --exclude).",
     "dead": "A dead rank was killed (signal, out-of-memory killer, segfault, node failure): "
             "look at the scheduler's log and `dmesg` on its host; the survivors cannot go on "
             "without it.",

@@ -33,6 +33,7 @@ import time
 from hpcddp.comm import output as _log
 from hpcddp.comm._mpi import MPI
 from hpcddp.diagnostics import config as _cfg
+from hpcddp.diagnostics import network as _network
 from hpcddp.diagnostics import recorder as _rec
 from hpcddp.diagnostics import report as _report
 from hpcddp.diagnostics import state as _state
@@ -71,6 +72,7 @@ class Watchdog:
         self._suspect: set = set()
         self._notice = None
         self._quiet_until = 0.0
+        self._tcp_before = None     # TCP counters read when a call had waited half the timeout
         self._awaiting = None                    # (coordinator, sent_at) of my last notice
         self._notified_at = -1e30
         self._stopping = False
@@ -155,7 +157,21 @@ class Watchdog:
                         self._awaiting = None
 
     def _snapshot(self) -> dict:
-        return _state.snapshot(self.rank, self.host, self.pid, exclude_thread=self.thread.ident)
+        snap = _state.snapshot(self.rank, self.host, self.pid, exclude_thread=self.thread.ident)
+        if self._tcp_before is not None:
+            snap["tcp"] = _network.since(self._tcp_before, _network.tcp_peers())
+        return snap
+
+    def _watch_network(self, now: float) -> None:
+        """Read TCP's counters once a call has waited half the timeout: the stall report then
+        counts the segments resent since (see diagnostics.network)."""
+        timeout = self.settings.timeout
+        starts = [e[_rec.T_START] for e in list(_rec.RECORDER.buf)
+                  if e is not None and e[_rec.T_END] == 0.0]
+        if not timeout or not starts or now - min(starts) < timeout / 2:
+            self._tcp_before = None
+        elif self._tcp_before is None:
+            self._tcp_before = _network.tcp_peers()
 
     # -- the loop --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -233,6 +249,7 @@ class Watchdog:
 
     def _check(self) -> None:
         now = time.monotonic()
+        self._watch_network(now)
         local = self.local_stall(now)
         with self._lock:
             notice, self._notice = self._notice, None

@@ -6,10 +6,13 @@ small machine (running as root, more ranks than cores) so callers never repeat t
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from typing import Mapping, Sequence
 
 
@@ -99,29 +102,87 @@ def _run_once(cmd, timeout, full_env, cwd) -> subprocess.CompletedProcess:
 
 
 JOB_TIMED_OUT, JOB_INTERRUPTED, JOB_TERMINATED = 124, 130, 143
+JOB_FAILED = 1
+
+# What a launcher prints when the job is over but the launcher may not be: an abort (Open MPI,
+# MPICH's Hydra), and PRRTE losing a node's daemon (Open MPI 5, which then exits 0).
+ABORT_LINES = (b"MPI_ABORT was invoked", b'calling "abort"', b"application called MPI_Abort")
+LOST_NODE_LINE = b"PRTE has lost communication with a remote daemon"
+_ON_NODE = re.compile(rb"Remote daemon:.* on node (\S+)")
+_ERRORCODE = re.compile(rb"Errorcode: (\d+)")
+# How long a launcher may take to end its job after an abort before this process ends it.
+# Open MPI's takes a second or two; one that waits for a node it cannot reach waits for TCP
+# to give up on the unacknowledged kill order (about 15 minutes with Linux's defaults).
+ABORT_GRACE = 30.0
+# Keepalives on PRRTE's daemon connections: a node silent for 30 + 3 x 10 s is lost and the job
+# ends (defaults: 300 s + 9 x 20 s). Probes are answered by the node's kernel, so a rank busy
+# computing is never taken for lost; each costs one small packet per connection and interval.
+PRTE_KEEPALIVE = {"PRTE_MCA_oob_tcp_keepalive_time": "30",
+                  "PRTE_MCA_oob_tcp_keepalive_intvl": "10",
+                  "PRTE_MCA_oob_tcp_keepalive_probes": "3"}
+
+
+def launcher_env(env: Mapping[str, str] | None = None) -> dict:
+    """ENV (default: this process's) with hpcddp's launcher settings, where the user set none."""
+    full = dict(os.environ if env is None else env)
+    for key, value in PRTE_KEEPALIVE.items():
+        full.setdefault(key, value)
+    return full
 
 
 def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
-            timeout: float | None = None, name: str = "hpcddp") -> int:
-    """Run an mpirun command line with its output streaming through, and return its status.
+            timeout: float | None = None, name: str = "hpcddp",
+            abort_grace: float = ABORT_GRACE) -> int:
+    """Run a launcher command line (mpirun, mpiexec, srun) with its output streaming through,
+    and return its status; whatever happens, the launcher ends and the status says the truth.
 
     The job runs in its own session, and whatever ends this process ends the job too: past
     TIMEOUT seconds the job's process group is killed (status 124); Ctrl-C or a SIGTERM sent
     to this process (``timeout``, a batch system) is passed on as SIGTERM, then SIGKILL 10 s
-    later (status 130 or 143). Left to itself, mpirun would outlive its caller. NAME prefixes
-    the one line that says so.
+    later (status 130 or 143); SIGUSR1/SIGUSR2 (a scheduler's warning before preemption) are
+    passed on as they are. The output is read on its way through:
+    - a launcher still running ABORT_GRACE seconds after a rank aborted (it waits for a node it
+      cannot reach) is ended, and the status is the abort's error code;
+    - a launcher that lost a node's daemon and then exits 0 (PRRTE does) gets status 1.
+    NAME prefixes the lines that say so. ENV gets ``launcher_env`` (PRRTE's keepalives).
     """
-    proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env),
-                            start_new_session=True)
-    previous = None
+    proc = subprocess.Popen(list(cmd), env=launcher_env(env), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = _LauncherOutput()
+    readers = [threading.Thread(target=seen.relay, args=(pipe, out), daemon=True)
+               for pipe, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+    for reader in readers:
+        reader.start()
+    previous = {}
     if _in_main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _raise_terminated)
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            previous[sig] = signal.signal(sig, lambda s, f: _signal_launcher(proc, s))
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _end_group(proc, signal.SIGKILL)
-        print(f"{name}: killed the job after {timeout:.0f} s (--timeout)", file=sys.stderr)
-        return JOB_TIMED_OUT
+        while True:
+            try:
+                rc = proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                _end_group(proc, signal.SIGKILL)
+                print(f"{name}: killed the job after {timeout:.0f} s (--timeout)", file=sys.stderr)
+                return JOB_TIMED_OUT
+            if seen.ended_at is not None and now - seen.ended_at > abort_grace:
+                _end_launcher(proc)
+                print(f"{name}: the launcher was still running {abort_grace:.0f} s after "
+                      f"{seen.what}: ended it and what it started", file=sys.stderr)
+                return seen.errorcode or JOB_FAILED
+        for reader in readers:
+            reader.join(timeout=5)
+        if rc == 0 and seen.lost_node:
+            print(f"{name}: the launcher lost node {seen.lost_node} (its daemon stopped "
+                  f"answering) and ended the job, yet exited 0: exit {JOB_FAILED}", file=sys.stderr)
+            return JOB_FAILED
+        return rc
     except (KeyboardInterrupt, _Terminated) as exc:
         _end_group(proc, signal.SIGTERM)
         try:
@@ -132,8 +193,67 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
               f": ended the job", file=sys.stderr)
         return JOB_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else JOB_TERMINATED
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _LauncherOutput:
+    """Relays the launcher's output and notes the lines that say the job is over."""
+
+    def __init__(self):
+        self.ended_at = None    # monotonic time of the first abort or lost-node line
+        self.what = ""
+        self.errorcode = 0
+        self.lost_node = ""
+
+    def relay(self, pipe, out) -> None:
+        sink = getattr(out, "buffer", None)
+        for line in iter(pipe.readline, b""):
+            if sink is not None:
+                out.flush()
+                sink.write(line)
+                sink.flush()
+            else:
+                out.write(line.decode(errors="replace"))
+                out.flush()
+            self._note(line)
+        pipe.close()
+
+    def _note(self, line: bytes) -> None:
+        code = _ERRORCODE.search(line)
+        if code and not self.errorcode:
+            self.errorcode = int(code.group(1))
+        node = _ON_NODE.search(line)
+        if node and self.lost_node == "?":
+            self.lost_node = node.group(1).decode(errors="replace")
+        if LOST_NODE_LINE in line:
+            self.lost_node = self.lost_node or "?"
+            self._ended("it lost a node")
+        elif any(marker in line for marker in ABORT_LINES):
+            self._ended("a rank aborted the job")
+
+    def _ended(self, what: str) -> None:
+        if self.ended_at is None:
+            self.ended_at, self.what = time.monotonic(), what
+
+
+def _signal_launcher(proc, sig) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _end_launcher(proc) -> None:
+    """SIGTERM twice (Open MPI's mpirun takes the second as "now"), then SIGKILL the group."""
+    for sig, wait in ((signal.SIGTERM, 3), (signal.SIGTERM, 5)):
+        _end_group(proc, sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    _end_group(proc, signal.SIGKILL)
 
 
 class _Terminated(Exception):
@@ -145,7 +265,6 @@ def _raise_terminated(signum, frame):
 
 
 def _in_main_thread() -> bool:
-    import threading
     return threading.current_thread() is threading.main_thread()
 
 
