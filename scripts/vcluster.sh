@@ -7,6 +7,10 @@
 #   scripts/vcluster.sh rsh NODE CMDLINE...  ssh-like: CMDLINE through sh -c, clean env (mpirun's agent)
 #   scripts/vcluster.sh slurm-up|slurm-down  slurmctld here + one slurmd per node (after `up`)
 #   scripts/vcluster.sh status               nodes, their pids, addresses, shaping, Slurm
+#   scripts/vcluster.sh fault cut NODE       NODE's link goes down (as a pulled cable)
+#   scripts/vcluster.sh fault loss NODE PCT  PCT% of the packets on NODE's link lost, both ways
+#   scripts/vcluster.sh fault partition A,B C,D   nodes A,B and C,D no longer reach each other
+#   scripts/vcluster.sh fault heal           link up again, no loss, no partition
 #   scripts/vcluster.sh down                 remove everything `up` made (also after a crash)
 #
 # A node is a holder process (`sleep`, argv[0] "vcluster-NAME-NODE") started by
@@ -252,6 +256,12 @@ do_down() {
         ip link del "$p" 2>/dev/null || true
     done
     ip link del "$BRIDGE" 2>/dev/null || true
+    if command -v nft >/dev/null; then     # fault rules on the host side (see do_fault)
+        local t
+        for t in $(nft list tables 2>/dev/null | awk -v p="$NAME" '$3 ~ "^"p"(loss|part)" {print $2 ":" $3}'); do
+            nft delete table "${t%%:*}" "${t#*:}" 2>/dev/null || true
+        done
+    fi
     rm -f "$DIR/nodes" "$DIR/nodes.tmp" "$DIR/hostfile" "$DIR/hosts" "$DIR/config"
     rmdir "$DIR" 2>/dev/null || true
     log "down"
@@ -272,6 +282,62 @@ do_status() {
     return $ok
 }
 
+# --- faults (docs/hangs.md: "A node drops off the network") ------------------------------------
+# Loss and partitions are nftables rules (the kernel here has no netem): a netdev table on the
+# node's eth0 ingress drops what comes to it, one on its veth's host end what leaves it; a bridge
+# table drops what crosses between the two sides of a partition. All are named ${NAME}... so
+# `fault heal` and `down` find them.
+
+need_nft() {
+    command -v nft >/dev/null && return 0
+    command -v apt-get >/dev/null || die "fault loss/partition need nftables (nft); install it"
+    log "apt-get install nftables (loss and partitions are nftables rules)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables >/dev/null \
+        || die "apt-get install nftables failed"
+}
+
+node_addr() { node_line "$1" | awk '{print $4}'; }
+
+do_fault() {
+    need_root
+    local kind=${1:-} node pct
+    case "$kind" in
+    cut)
+        node=${2:?fault cut NODE}; node_pid "$node" >/dev/null
+        ( do_run "$node" ip link set eth0 down )
+        log "fault: $node's link is down" ;;
+    loss)
+        node=${2:?fault loss NODE PCT}; pct=${3:?fault loss NODE PCT}
+        [[ "$pct" =~ ^[0-9]+$ ]] && [ "$pct" -le 100 ] || die "fault loss: PCT must be 0-100, got '$pct'"
+        node_pid "$node" >/dev/null; need_nft
+        printf 'table netdev %sloss {\n chain in {\n  type filter hook ingress device eth0 priority 0; policy accept;\n  numgen random mod 100 < %s drop\n }\n}\n' "$NAME" "$pct" \
+            | ( do_run "$node" nft -f - )
+        printf 'table netdev %sloss%s {\n chain in {\n  type filter hook ingress device "%s%s" priority 0; policy accept;\n  numgen random mod 100 < %s drop\n }\n}\n' "$NAME" "$node" "$VETH" "$node" "$pct" \
+            | nft -f -
+        log "fault: $pct% of the packets on $node's link are lost, both ways" ;;
+    partition)
+        local a=${2:?fault partition A,B C,D} b=${3:?fault partition A,B C,D} n left="" right=""
+        need_nft
+        for n in ${a//,/ }; do node_pid "$n" >/dev/null; left+="${left:+, }$(node_addr "$n")"; done
+        for n in ${b//,/ }; do node_pid "$n" >/dev/null; right+="${right:+, }$(node_addr "$n")"; done
+        printf 'table bridge %spart {\n chain cut {\n  type filter hook forward priority 0; policy accept;\n  ip saddr { %s } ip daddr { %s } drop\n  ip saddr { %s } ip daddr { %s } drop\n }\n}\n' "$NAME" "$left" "$right" "$right" "$left" \
+            | nft -f -
+        log "fault: $a and $b no longer reach each other" ;;
+    heal)
+        local t
+        if command -v nft >/dev/null; then
+            for t in $(nft list tables 2>/dev/null | awk -v p="$NAME" '$3 ~ "^"p"(loss|part)" {print $2 " " $3}' | tr ' ' ':'); do
+                nft delete table "${t%%:*}" "${t#*:}" 2>/dev/null || true
+            done
+        fi
+        for node in $(node_names); do
+            ( do_run "$node" sh -c "ip link set eth0 up; nft delete table netdev ${NAME}loss 2>/dev/null || true" ) || true
+        done
+        log "fault: healed" ;;
+    *) die "fault: expected cut NODE, loss NODE PCT, partition A,B C,D or heal; got '${kind}'" ;;
+    esac
+}
+
 # --- Slurm --------------------------------------------------------------------------------------
 
 do_slurm_up() { exec bash "$(dirname "$SELF")/vcluster/slurm.sh" up; }
@@ -289,7 +355,8 @@ case "$cmd" in
     rsh) do_rsh "$@" ;;
     down) do_down ;;
     status) do_status ;;
+    fault) do_fault "$@" ;;
     slurm-up) do_slurm_up ;;
     slurm-down) do_slurm_down ;;
-    *) die "unknown command '${cmd}'; use up N, run NODE CMD..., rsh NODE CMDLINE, status, down, slurm-up, slurm-down" ;;
+    *) die "unknown command '${cmd}'; use up N, run NODE CMD..., rsh NODE CMDLINE, status, fault ..., down, slurm-up, slurm-down" ;;
 esac

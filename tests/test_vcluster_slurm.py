@@ -177,3 +177,47 @@ def test_stage_then_train_template_stages_to_each_nodes_scratch(jobs):
     assert len({c[2:] for c in counts}) == 1, counts
     # the epilog wiped each node's job scratch; the host never had it
     assert not os.path.exists(f"/scratch/job.{job.id}")
+
+
+def test_node_off_the_network_ends_the_template_job(vslurm, tmp_path):
+    """The multi-node-ddp template's job (srun) training in a loop; node2's link goes down: the
+    job ends FAILED within HPCDDP_TIMEOUT + 60 s, its log naming node2 (docs/hangs.md). Last in
+    this file: node2 stays suspect to Slurm for a while after the link is back."""
+    timeout = 10
+    job = submit(render("multi-node-ddp", **small(
+        script=str(ROOT / "tests" / "vcluster" / "job_train_forever.py"),
+        setup=[f". {shlex.quote(sys.prefix)}/bin/activate", f"export HPCDDP_TIMEOUT={timeout}"])),
+        tmp_path, "ddp-nnode-*.out")
+    try:
+        while "looping" not in job.logs():
+            assert time.monotonic() - job.submitted < JOB_TIMEOUT, job.logs()[-4000:]
+            assert job.record().get("JobState") not in TERMINAL, job.logs()[-4000:]
+            time.sleep(0.5)
+        res = sh(["bash", VC, "fault", "cut", "node2"], 60)
+        assert res.returncode == 0, res.stderr
+        cut = time.monotonic()
+        # Ended: the batch script is done (COMPLETING while Slurm waits to hear from node2)
+        while job.record().get("JobState") not in TERMINAL | {"COMPLETING"}:
+            assert time.monotonic() - cut < timeout + 120, job.logs()[-4000:]
+            time.sleep(0.5)
+        took = time.monotonic() - cut
+        rec, log = job.record(), job.logs()
+        print(f"node2 cut off: the job ended {took:.1f} s later, {rec.get('JobState')} "
+              f"exit {rec.get('ExitCode')}")
+        assert rec.get("ExitCode") != "0:0", (rec, log[-4000:])
+        assert took < timeout + 60, log[-4000:]
+        assert "rank 1 (node2" in log and "dead or unresponsive" in log, log[-6000:]
+        holder = sh(["pgrep", "-f", f"^vcluster-{NAME}-node1( |$)"]).stdout.split()[0]
+        netns = os.readlink(f"/proc/{holder}/ns/net")
+        left = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.readlink(f"/proc/{pid}/ns/net") == netns and "job_train_forever" in \
+                        pathlib.Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+                    left.append(pid)
+            except OSError:
+                pass
+        assert not left, f"ranks left on node1: {left}"
+    finally:
+        sh(["scancel", job.id], 30)
+        sh(["bash", VC, "fault", "heal"], 60)

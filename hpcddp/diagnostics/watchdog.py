@@ -72,7 +72,7 @@ class Watchdog:
         self._suspect: set = set()
         self._notice = None
         self._quiet_until = 0.0
-        self._tcp_before = None     # TCP counters read when a call had waited half the timeout
+        self._tcp_before = None     # TCP counters read when a call had waited 1/4 of the timeout
         self._awaiting = None                    # (coordinator, sent_at) of my last notice
         self._notified_at = -1e30
         self._stopping = False
@@ -163,12 +163,12 @@ class Watchdog:
         return snap
 
     def _watch_network(self, now: float) -> None:
-        """Read TCP's counters once a call has waited half the timeout: the stall report then
-        counts the segments resent since (see diagnostics.network)."""
+        """Read TCP's counters once a call has waited a quarter of the timeout: the stall report
+        then counts the segments resent since (see diagnostics.network)."""
         timeout = self.settings.timeout
         starts = [e[_rec.T_START] for e in list(_rec.RECORDER.buf)
                   if e is not None and e[_rec.T_END] == 0.0]
-        if not timeout or not starts or now - min(starts) < timeout / 2:
+        if not timeout or not starts or now - min(starts) < timeout / 4:
             self._tcp_before = None
         elif self._tcp_before is None:
             self._tcp_before = _network.tcp_peers()

@@ -104,9 +104,11 @@ def _run_once(cmd, timeout, full_env, cwd) -> subprocess.CompletedProcess:
 JOB_TIMED_OUT, JOB_INTERRUPTED, JOB_TERMINATED = 124, 130, 143
 JOB_FAILED = 1
 
-# What a launcher prints when the job is over but the launcher may not be: an abort (Open MPI,
-# MPICH's Hydra), and PRRTE losing a node's daemon (Open MPI 5, which then exits 0).
-ABORT_LINES = (b"MPI_ABORT was invoked", b'calling "abort"', b"application called MPI_Abort")
+# What a job prints when it is over but its launcher may not be: an abort (Open MPI, MPICH's
+# Hydra, hpcddp's own line: also under srun), and PRRTE losing a node's daemon (Open MPI 5,
+# which then exits 0).
+ABORT_LINES = (b"MPI_ABORT was invoked", b'calling "abort"', b"application called MPI_Abort",
+               b"aborting the job")     # the last: what hpcddp prints before its MPI_Abort
 LOST_NODE_LINE = b"PRTE has lost communication with a remote daemon"
 _ON_NODE = re.compile(rb"Remote daemon:.* on node (\S+)")
 _ERRORCODE = re.compile(rb"Errorcode: (\d+)")
@@ -146,18 +148,24 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
     - a launcher that lost a node's daemon and then exits 0 (PRRTE does) gets status 1.
     NAME prefixes the lines that say so. ENV gets ``launcher_env`` (PRRTE's keepalives).
     """
-    proc = subprocess.Popen(list(cmd), env=launcher_env(env), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    started = []    # the launcher, once there: a signal may come before it is
+    previous = {}
+    if _in_main_thread():
+        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _raise_terminated)
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            previous[sig] = signal.signal(sig, lambda s, f: [_signal_launcher(p, s) for p in started])
+    try:
+        proc = subprocess.Popen(list(cmd), env=launcher_env(env), start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except BaseException:
+        _restore(previous)
+        raise
+    started.append(proc)
     seen = _LauncherOutput()
     readers = [threading.Thread(target=seen.relay, args=(pipe, out), daemon=True)
                for pipe, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
     for reader in readers:
         reader.start()
-    previous = {}
-    if _in_main_thread():
-        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _raise_terminated)
-        for sig in (signal.SIGUSR1, signal.SIGUSR2):
-            previous[sig] = signal.signal(sig, lambda s, f: _signal_launcher(proc, s))
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while True:
@@ -193,8 +201,12 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
               f": ended the job", file=sys.stderr)
         return JOB_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else JOB_TERMINATED
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        _restore(previous)
+
+
+def _restore(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 class _LauncherOutput:

@@ -298,3 +298,59 @@ def test_snapshot_sees_a_thread_blocked_in_hpcddp_code():
 def test_user_frame_skips_library_frames():
     f = sys._getframe()
     assert state.where(f).startswith("test_diagnostics.py:")
+
+
+def test_a_rank_that_finished_its_part_of_a_ring_is_not_a_mismatch():
+    """A ring or tree lets a rank complete call #57 while the others still wait in it (a lossy
+    link to the next rank): it then waits in #58. That is no mismatch."""
+    snaps = {r: _snap(r, [_op("all_reduce", 57, 20.0)], seq=56) for r in (0, 2, 3)}
+    done = _op("all_reduce", 57, 9.0, done=8.0)
+    snaps[1] = _snap(1, [_op("all_reduce", 58, 8.0)], seq=57)
+    snaps[1]["groups"][0]["recent"] = [done]
+    text = "\n".join(report.analyse(snaps, {}, 4)["lines"])
+    assert "rank 1 has finished its part of #57 and waits in the next call" in text
+    assert "matched with different ones" not in text
+    # a different call as #57 on that rank stays a mismatch
+    snaps[1]["groups"][0]["recent"] = [_op("broadcast", 57, 9.0, done=8.0)]
+    assert "matched with different ones" in "\n".join(report.analyse(snaps, {}, 4)["lines"])
+
+
+SS = """\
+0      0      10.9.0.2:40000 10.9.0.3:50000 ino:11 sk:1 cgroup:/ <->
+\t ts sack cubic wscale:7,7 rto:1600 backoff:3 rtt:0.5/0.2 segs_out:40 segs_in:12 retrans:1/9
+0      0      10.9.0.2:40001 10.9.0.1:50001 ino:12 sk:2 cgroup:/ <->
+\t ts sack cubic wscale:7,7 rto:204 rtt:0.05/0.02 segs_out:9000 segs_in:9000
+0      0      10.9.0.2:40002 10.9.0.3:50002 ino:99 sk:3 cgroup:/ <->
+\t ts sack cubic rto:204 rtt:0.05/0.02 segs_out:5 segs_in:5 retrans:0/5
+"""
+
+
+def test_tcp_counters_per_peer_of_this_process_only():
+    from hpcddp.diagnostics import network
+    got = network.parse_ss(SS, inodes={"11", "12"})       # socket 99 is another process's
+    assert got == {"peers": {"10.9.0.3": [40, 9, 3], "10.9.0.1": [9000, 0, 0]},
+                   "local": ["10.9.0.2"]}
+    before = {"peers": {"10.9.0.3": [20, 1, 0], "10.9.0.1": [8000, 0, 0]}}
+    assert network.since(before, got)["peers"] == {"10.9.0.3": [20, 8, 3], "10.9.0.1": [1000, 0, 0]}
+
+
+def test_stall_report_names_the_lossy_link():
+    from hpcddp.diagnostics import network
+    snaps = {r: _snap(r, [_op("all_reduce", 57, 20.0)], seq=56) for r in range(3)}
+    for r, host in enumerate(("node1", "node2", "node3")):
+        snaps[r]["host"] = host
+        snaps[r]["tcp"] = {"peers": {}, "local": [f"10.9.0.{r + 1}"]}
+    snaps[1]["tcp"]["peers"] = {"10.9.0.3": [40, 12, 0], "10.9.0.1": [900, 0, 0]}
+    snaps[2]["tcp"]["peers"] = {"10.9.0.1": [30, 2, 3]}
+    a = report.analyse(snaps, {}, 3)
+    lossy = [line for line in a["lines"] if line.startswith("the network loses packets")]
+    assert lossy == [
+        "the network loses packets: rank 1 (node2) resent 12 of 40 TCP segments (30%) to node3",
+        "the network loses packets: rank 2 (node3) resent 2 of 30 TCP segments (7%) and has had "
+        "its resent segments go unanswered 3 times in a row to node1"]
+    assert "every such connection has node3 at one end" in a["lines"][-1]
+    assert any("A link loses packets" in h for h in a["hints"])
+    # healthy counters (no resends, or a couple among thousands) say nothing
+    snaps[1]["tcp"]["peers"] = {"10.9.0.3": [4000, 3, 0]}
+    snaps[2]["tcp"]["peers"] = {"10.9.0.1": [30, 1, 1]}
+    assert network.lossy_links(snaps) == []

@@ -1,0 +1,78 @@
+"""`hpcddp launch` (hpcddp.launch.mpirun.run_job): a launcher that would outlive its job, or say
+it succeeded when it lost a node, is ended and its status told truly. The launchers here are
+small shell scripts printing what Open MPI's mpirun prints; the real thing, on a virtual cluster
+with a node cut off, is tests/test_vcluster_faults.py."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+HPCDDP = [sys.executable, "-m", "hpcddp"]
+
+
+def launch(script: str, *opts: str, timeout: float = 60) -> tuple:
+    start = time.monotonic()
+    res = subprocess.run([*HPCDDP, "launch", *opts, "--", "bash", "-c", script],
+                         capture_output=True, text=True, timeout=timeout)
+    return res, time.monotonic() - start
+
+
+def test_status_and_output_pass_through():
+    res, _ = launch("echo out; echo err >&2; exit 7")
+    assert res.returncode == 7
+    assert res.stdout == "out\n" and res.stderr == "err\n"
+
+
+def test_launcher_left_running_after_an_abort_is_ended(tmp_path):
+    pidfile = tmp_path / "child"
+    script = (f"sleep 300 & echo $! > {pidfile}; "
+              "echo 'MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD' >&2; "
+              "echo '  Errorcode: 3' >&2; wait")
+    res, took = launch(script, "--abort-grace", "1")
+    assert res.returncode == 3, res.stderr
+    assert took < 20
+    assert "still running 1 s after a rank aborted the job" in res.stderr
+    child = int(pidfile.read_text())
+    time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{child}") or "Z" in open(f"/proc/{child}/stat").read().split()[2], \
+        "what the launcher started was left running"
+
+
+def test_lost_node_with_exit_0_is_a_failure():
+    script = ("echo 'PRTE has lost communication with a remote daemon.' >&2; echo >&2; "
+              "echo '  HNP daemon   : [prterun-node1-1@0,0] on node node1' >&2; "
+              "echo '  Remote daemon: [prterun-node1-1@0,2] on node node3' >&2; exit 0")
+    res, _ = launch(script)
+    assert res.returncode == 1
+    assert "the launcher lost node node3" in res.stderr
+
+
+def test_timeout_ends_the_job():
+    res, took = launch("sleep 300", "--timeout", "1")
+    assert res.returncode == 124 and took < 20
+    assert "killed the job after 1 s" in res.stderr
+
+
+def test_usr1_reaches_the_launcher():
+    proc = subprocess.Popen([*HPCDDP, "launch", "--", "bash", "-c",
+                             "trap 'echo got-usr1; exit 5' USR1; echo ready; "
+                             "while :; do sleep 0.1; done"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=20)
+    assert "got-usr1" in out and proc.returncode == 5
+
+
+def test_bad_input_is_refused_before_anything_runs():
+    res = subprocess.run([*HPCDDP, "launch"], capture_output=True, text=True)
+    assert res.returncode == 2 and "give the launcher command after --" in res.stderr
+    res = subprocess.run([*HPCDDP, "launch", "--timeout", "-1", "--", "true"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "--timeout must be a positive number of seconds, got -1" in res.stderr
+    res = subprocess.run([*HPCDDP, "launch", "--", "no-such-launcher-xyz"],
+                         capture_output=True, text=True)
+    assert res.returncode == 127 and "'no-such-launcher-xyz' not found" in res.stderr
