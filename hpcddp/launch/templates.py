@@ -425,9 +425,10 @@ _TRAIN_ELASTIC = """\
 # Not srun: Slurm's PMIx plugin ends a step as soon as one of its tasks dies, whatever
 # --kill-on-bad-exit=0 and --no-kill say. Open MPI's own launcher inside this allocation reads
 # the node list from Slurm, starts its daemons through it, and with --with-ft ulfm lets the
-# survivors go on (MPICH: mpiexec -disable-auto-cleanup).
+# survivors go on (MPICH: mpiexec -disable-auto-cleanup). `hpcddp launch`: mpirun ends, and
+# says so, also when a node drops off the network (docs/hangs.md).
 echo "[job] $(date +%T) training (elastic): $SCRIPT ${ARGS[*]}"
-run_step mpirun --with-ft ulfm -n "$SLURM_NTASKS" --map-by "ppr:${SLURM_NTASKS_PER_NODE}:node" \\
+run_step hpcddp launch -- mpirun --with-ft ulfm -n "$SLURM_NTASKS" --map-by "ppr:${SLURM_NTASKS_PER_NODE}:node" \\
     python "$SCRIPT" "${ARGS[@]}"
 echo "[job] $(date +%T) done"
 """
@@ -590,9 +591,19 @@ on_signal() {
 }
 trap on_signal USR1 TERM
 # Steps run in the background and are waited for: bash runs a trap only between commands,
-# and `wait` returns as soon as a signal arrives.
+# and `wait` returns as soon as a signal arrives. `hpcddp launch` sees that the launcher ends,
+# with a status that says what happened, also when a node drops off the network (mpirun would
+# wait for it, or exit 0); it passes USR1 on to the launcher (docs/hangs.md). It is looked for
+# on PATH, then beside the launcher (a venv's mpirun).
+LAUNCH=()
+for v in "$(command -v hpcddp)" "$(dirname "$(command -v "$MPIRUN" || echo .)")/hpcddp"; do
+    if [ -n "$v" ] && [ -x "$v" ]; then LAUNCH=("$v" launch --); break; fi
+done
+if [ ${#LAUNCH[@]} = 0 ]; then
+    echo "[job] no hpcddp on PATH or beside $MPIRUN: the launcher runs without hpcddp launch" >&2
+fi
 run_step() {
-    "$@" &
+    ${LAUNCH[@]+"${LAUNCH[@]}"} "$@" &
     STEP_PID=$!
     wait "$STEP_PID"
 }

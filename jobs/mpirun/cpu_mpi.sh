@@ -74,9 +74,19 @@ on_signal() {
 }
 trap on_signal USR1 TERM
 # Steps run in the background and are waited for: bash runs a trap only between commands,
-# and `wait` returns as soon as a signal arrives.
+# and `wait` returns as soon as a signal arrives. `hpcddp launch` sees that the launcher ends,
+# with a status that says what happened, also when a node drops off the network (mpirun would
+# wait for it, or exit 0); it passes USR1 on to the launcher (docs/hangs.md). It is looked for
+# on PATH, then beside the launcher (a venv's mpirun).
+LAUNCH=()
+for v in "$(command -v hpcddp)" "$(dirname "$(command -v "$MPIRUN" || echo .)")/hpcddp"; do
+    if [ -n "$v" ] && [ -x "$v" ]; then LAUNCH=("$v" launch --); break; fi
+done
+if [ ${#LAUNCH[@]} = 0 ]; then
+    echo "[job] no hpcddp on PATH or beside $MPIRUN: the launcher runs without hpcddp launch" >&2
+fi
 run_step() {
-    "$@" &
+    ${LAUNCH[@]+"${LAUNCH[@]}"} "$@" &
     STEP_PID=$!
     wait "$STEP_PID"
 }

@@ -349,7 +349,7 @@ def test_elastic_option_trains_under_mpirun_with_ulfm(name, tmp_path):
     plain, elastic = render(name), render(name, elastic=True)
     assert "--with-ft ulfm" not in plain and "hpcddp run" in plain
     train = elastic[elastic.index("# Train, surviving a lost rank"):]
-    assert 'run_step mpirun --with-ft ulfm -n "$SLURM_NTASKS"' in train
+    assert 'run_step hpcddp launch -- mpirun --with-ft ulfm -n "$SLURM_NTASKS"' in train
     assert "srun" not in train.split("# survivors go on")[-1]     # the step itself: no srun
     assert render(name, elastic="yes") == elastic and render(name, elastic=0) == plain
     script = tmp_path / "job.sbatch"
