@@ -3,7 +3,8 @@ nodes that can still be reached (docs/hangs.md, "A node drops off the network").
 
 On a virtual cluster of 4 nodes (scripts/vcluster.sh; 1 rank per node), a job exchanging 4 MiB
 gradients in a loop under `hpcddp launch -- mpirun ...` meets a fault from outside, injected with
-`scripts/vcluster.sh fault`: node3's link goes down; nodes 1-2 and 3-4 are partitioned; node3's
+`scripts/vcluster.sh fault` (`--abort-grace 15`: the default 30 s would add a minute to CI):
+node3's link goes down; nodes 1-2 and 3-4 are partitioned; node3's
 link loses 30% of its packets. Each must end the job within HPCDDP_TIMEOUT + 60 s with a non-zero
 status and a line naming the node, the job's ranks gone everywhere (the cut-off node's too: their
 own watchdog finds them alone). The lost-daemon path of Open MPI (its keepalives find the node
@@ -76,7 +77,7 @@ def run_with_fault(nodes: int, fault: list, env: dict | None = None):
     from the fault to the end)."""
     hosts = ",".join(f"node{i}:1" for i in range(1, nodes + 1))
     cmd = ["bash", str(ROOT / "scripts" / "vcluster.sh"), "run", "node1",
-           "timeout", "-k", "10", "300", "hpcddp", "launch", "--",
+           "timeout", "-k", "10", "300", "hpcddp", "launch", "--abort-grace", "15", "--",
            os.path.join(sys.prefix, "bin", "mpirun"), "--allow-run-as-root", "--host", hosts,
            "-n", str(nodes), "--bind-to", "none", "--mca", "btl", "tcp,self,sm",
            "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
