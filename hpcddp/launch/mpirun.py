@@ -219,16 +219,21 @@ class _LauncherOutput:
         self.lost_node = ""
 
     def relay(self, pipe, out) -> None:
-        sink = getattr(out, "buffer", None)
-        for line in iter(pipe.readline, b""):
-            if sink is not None:
-                out.flush()
-                sink.write(line)
-                sink.flush()
-            else:
-                out.write(line.decode(errors="replace"))
-                out.flush()
-            self._note(line)
+        """Copy PIPE to OUT as the bytes come (progress bars redraw with a bare \\r) and read
+        its lines; a reader that went away (`| head`) stops the copying, never the reading:
+        a launcher blocked on a full pipe would hang the job."""
+        fd, pending, writing = pipe.fileno(), b"", True
+        while True:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            if writing:
+                writing = _write(out, chunk)
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                self._note(line)
+            pending = pending[-4096:]        # a line that long is no launcher message
+        self._note(pending)
         pipe.close()
 
     def _note(self, line: bytes) -> None:
@@ -247,6 +252,22 @@ class _LauncherOutput:
     def _ended(self, what: str) -> None:
         if self.ended_at is None:
             self.ended_at, self.what = time.monotonic(), what
+
+
+def _write(out, data: bytes) -> bool:
+    """Write DATA to the text stream OUT at once; False once OUT is closed."""
+    try:
+        sink = getattr(out, "buffer", None)
+        if sink is None:
+            out.write(data.decode(errors="replace"))
+            out.flush()
+        else:
+            out.flush()
+            sink.write(data)
+            sink.flush()
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _signal_launcher(proc, sig) -> None:

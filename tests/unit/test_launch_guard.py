@@ -76,3 +76,12 @@ def test_bad_input_is_refused_before_anything_runs():
     res = subprocess.run([*HPCDDP, "launch", "--", "no-such-launcher-xyz"],
                          capture_output=True, text=True)
     assert res.returncode == 127 and "'no-such-launcher-xyz' not found" in res.stderr
+
+
+def test_a_reader_that_goes_away_does_not_hang_the_job():
+    """`hpcddp launch ... | head`: the copying stops, the launcher's output is still drained."""
+    proc = subprocess.Popen([*HPCDDP, "launch", "--", "bash", "-c", "seq 300000; exit 4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout.readline() == b"1\n"
+    proc.stdout.close()
+    assert proc.wait(timeout=30) == 4
