@@ -292,8 +292,12 @@ need_nft() {
     command -v nft >/dev/null && return 0
     command -v apt-get >/dev/null || die "fault loss/partition need nftables (nft); install it"
     log "apt-get install nftables (loss and partitions are nftables rules)"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables >/dev/null \
+    # a fresh machine may have no package lists yet: update once, then try again
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables >/dev/null 2>&1 \
+        || { DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null \
+             && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables >/dev/null; } \
         || die "apt-get install nftables failed"
+    command -v nft >/dev/null || die "nftables installed but no nft on PATH"
 }
 
 node_addr() { node_line "$1" | awk '{print $4}'; }
