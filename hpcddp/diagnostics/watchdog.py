@@ -164,7 +164,11 @@ class Watchdog:
 
     def _watch_network(self, now: float) -> None:
         """Read TCP's counters once a call has waited a quarter of the timeout: the stall report
-        then counts the segments resent since (see diagnostics.network)."""
+        then counts the segments resent since (see diagnostics.network). Only where the ranks
+        span hosts: within one, no rank talks TCP to another, and the `ss` child's SIGCHLD would
+        reach torch's DataLoader handler for nothing."""
+        if len(set(self.hosts)) < 2:
+            return
         timeout = self.settings.timeout
         starts = [e[_rec.T_START] for e in list(_rec.RECORDER.buf)
                   if e is not None and e[_rec.T_END] == 0.0]

@@ -93,16 +93,21 @@ def dead_loader_workers(it, exc: BaseException | None = None) -> list[int]:
     wait = WORKER_EXIT_WAIT_S if workers and isinstance(exc, CUT_READ_ERRORS) else 0
     deadline = time.monotonic() + wait
     while True:
-        dead = []
-        for w in workers:
-            try:
-                if not w.is_alive() and w.exitcode not in (None, 0):
-                    dead.append(w.pid)
-            except (AssertionError, ValueError):   # not our child, or closed
-                pass
-        if dead or time.monotonic() >= deadline:
-            return dead
-        time.sleep(0.01)
+        try:
+            dead = []
+            for w in workers:
+                try:
+                    if not w.is_alive() and w.exitcode not in (None, 0):
+                        dead.append(w.pid)
+                except (AssertionError, ValueError):   # not our child, or closed
+                    pass
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.01)
+        except RuntimeError as died:
+            # torch's SIGCHLD handler saw the exit first and raised here: look again
+            if not is_loader_worker_death(died):
+                raise
 
 
 def leave(why: str) -> None:
