@@ -21,7 +21,7 @@ import time
 import pytest
 
 from test_vcluster import vc as _vc, vc_env as _vc_env
-from vcluster_needs import need_namespaces, unavailable
+from vcluster_needs import need_namespaces, node_processes, unavailable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "vcluster" / "job_train_forever.py"
@@ -54,22 +54,8 @@ def healed(cluster):
 
 
 def job_processes(node: str) -> list:
-    """The job's processes (launcher daemons, ranks) inside NODE, by its network namespace."""
-    holder = subprocess.run(["pgrep", "-f", f"^vcluster-{NAME}-{node}( |$)"], capture_output=True,
-                            text=True).stdout.split()
-    assert holder, f"no holder process for {node}: is the cluster up?"
-    netns = os.readlink(f"/proc/{holder[0]}/ns/net")
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.readlink(f"/proc/{pid}/ns/net") != netns:
-                continue
-            cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if JOB.name in cmd or "prte" in cmd:
-            found.append(f"{pid}: {cmd[:120]}")
-    return found
+    """The job's processes (launcher daemons, ranks) inside NODE."""
+    return node_processes(NAME, node, (JOB.name, "prte"))
 
 
 def run_with_fault(nodes: int, fault: list, env: dict | None = None):

@@ -25,7 +25,7 @@ import time
 import pytest
 
 from hpcddp.launch.templates import render
-from vcluster_needs import need_namespaces, unavailable
+from vcluster_needs import need_namespaces, node_processes, unavailable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VC = str(ROOT / "scripts" / "vcluster.sh")
@@ -207,16 +207,7 @@ def test_node_off_the_network_ends_the_template_job(vslurm, tmp_path):
         assert rec.get("ExitCode") != "0:0", (rec, log[-4000:])
         assert took < timeout + 60, log[-4000:]
         assert "rank 1 (node2" in log and "dead or unresponsive" in log, log[-6000:]
-        holder = sh(["pgrep", "-f", f"^vcluster-{NAME}-node1( |$)"]).stdout.split()[0]
-        netns = os.readlink(f"/proc/{holder}/ns/net")
-        left = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if os.readlink(f"/proc/{pid}/ns/net") == netns and "job_train_forever" in \
-                        pathlib.Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
-                    left.append(pid)
-            except OSError:
-                pass
+        left = node_processes(NAME, "node1", ("job_train_forever",))
         assert not left, f"ranks left on node1: {left}"
     finally:
         sh(["scancel", job.id], 30)
