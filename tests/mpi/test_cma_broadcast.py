@@ -35,7 +35,8 @@ def ptrace_restricted() -> bool:
 
 @pytest.fixture(scope="module")
 def world():
-    hpcddp.init_process_group()
+    if not dist.is_initialized():
+        hpcddp.init_process_group()
     w = hpcddp.world()
     if _cma.peers(w) is None and ptrace_restricted():
         pytest.skip("kernel.yama.ptrace_scope >= 1 here: cross-memory attach is refused")

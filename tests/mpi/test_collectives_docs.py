@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import test_collectives as M  # noqa: E402  (tests/mpi is on sys.path: pytest's rootdir import)
 
+MPI_OWN_JOB = True    # each example starts the world anew (destroy_process_group)
 MPI_SIZES = (4,)
 MPI_TIMEOUT = 240
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning")

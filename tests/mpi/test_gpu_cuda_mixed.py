@@ -20,6 +20,7 @@ import torch.distributed as dist
 import hpcddp
 from hpcddp.backend import init_process_group
 
+MPI_OWN_JOB = True    # its own default group (a mixed cpu/cuda backend), set up and torn down here
 MPI_SIZES = (2, 3)
 GPU = torch.cuda.is_available() and dist.is_nccl_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and NCCL; CI has none")

@@ -8,18 +8,15 @@ of the world's, and the topology communicators as torch groups (2 emulated ranks
 """
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+import torch.distributed as dist
+
+import hpcddp
+import test_collectives as M  # (tests/mpi is on sys.path: pytest's rootdir import)
 
 # two ranks per emulated node, so the topology groups are real sub-groups (read by init)
-os.environ["HPCDDP_RANKS_PER_NODE"] = "2"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import hpcddp  # noqa: E402
-import test_collectives as M  # noqa: E402  (tests/mpi is on sys.path: pytest's rootdir import)
-
+MPI_ENV = {"HPCDDP_RANKS_PER_NODE": "2"}
 MPI_TIMEOUT = 300
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning")
 

@@ -5,22 +5,21 @@ are off: on one real host they would take these calls first. tests/test_vcluster
 nodes (separate hosts, TCP between them)."""
 from __future__ import annotations
 
-import os
 import weakref
 
-os.environ["HPCDDP_RANKS_PER_NODE"] = "2"    # read by init: nodes of 2 ranks
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
 
-import hpcddp  # noqa: E402
-from hpcddp import collectives as C  # noqa: E402
-from hpcddp.collectives import _cma, _hier, _shm, paths  # noqa: E402
-from hpcddp.diagnostics.mismatch import CollectiveMismatchError  # noqa: E402
+import hpcddp
+from hpcddp import collectives as C
+from hpcddp.collectives import _cma, _hier, _shm, paths
+from hpcddp.diagnostics.mismatch import CollectiveMismatchError
 
 MPI_SIZES = (2, 3, 4)
+MPI_ENV = {"HPCDDP_RANKS_PER_NODE": "2"}    # read by init: nodes of 2 ranks
 
 
 @pytest.fixture(autouse=True)

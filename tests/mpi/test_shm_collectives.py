@@ -26,7 +26,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*(is|will be) deprecated:Future
 
 @pytest.fixture(scope="module")
 def world():
-    hpcddp.init_process_group()
+    if not dist.is_initialized():
+        hpcddp.init_process_group()
     yield hpcddp.world()
 
 
