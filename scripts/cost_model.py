@@ -37,9 +37,11 @@ running them at once: read from the shared file system, the exchange among leade
 to node-local storage, the CRC-32C check (a thread beside the write). Its time is the slowest
 stage plus one round through the others (fill and drain):
 
-    read       allgather: every leader reads its 1/N at once, D / min(B, N r);
+    read       allgather, ring: every leader reads its 1/N at once, D / min(B, N r);
                bcast: one leader reads at a time, D / min(B, r)
-    exchange   allgather: each link carries (N-1)/N D each way;
+    exchange   allgather, ring: each link carries (N-1)/N D each way (the model does not
+               price allgather's wait for the slowest leader in every round, which the ring
+               removes: measured, docs/data.md);
                bcast: chunk by chunk, MPI_Bcast's binomial tree or scatter + all-gather
     write      D / W per node;  check  D / the CRC-32C rate
     (B: the file system's aggregate read rate; r: one leader's read rate; W: node-local write;
@@ -264,7 +266,7 @@ def staging(d: float, n: int, strategy: str, net: Net, st: Storage,
         stages = {"read": read, "exchange": 0.0, "write": d / st.write, "check": d / st.check}
         per_round = {"read": chunk / st.reader, "exchange": 0.0, "write": chunk / st.write,
                      "check": chunk / st.check}
-    elif strategy == "allgather":     # a round: every leader's next chunk to every leader
+    elif strategy in ("allgather", "ring"):   # a round: every leader's next chunk to every leader
         rounds = math.ceil(d / (n * chunk))
         stages = {"read": d / min(st.fs, n * st.reader),
                   "exchange": (n - 1) / n * d * net.beta + rounds * (n - 1) * net.alpha,
@@ -279,15 +281,19 @@ def staging(d: float, n: int, strategy: str, net: Net, st: Storage,
         per_round = {"read": chunk / st.reader, "exchange": bcast_chunk(n, chunk, net),
                      "write": chunk / st.write, "check": chunk / st.check}
     else:
-        raise ValueError(f"staging: strategy {strategy!r}; valid: allgather, bcast, every-rank")
+        raise ValueError(f"staging: strategy {strategy!r}; valid: allgather, ring, bcast, "
+                         f"every-rank")
     slowest = max(stages, key=stages.get)
     fill = sum(t for k, t in per_round.items() if k != slowest)
     return {**stages, "bound": slowest, "total": stages[slowest] + fill}
 
 
 def auto_strategy(n: int) -> str:
-    """hpcddp/data/_staging_plan.py auto_strategy at the default chunk."""
-    return "allgather" if 4 * n * STAGE_CHUNK <= 512 * MiB else "bcast"
+    """hpcddp/data/_staging_plan.py auto_strategy at the default chunk: the ring while its
+    buffers (read ahead and 4 in flight: 8 chunks; per other leader its share of 4 in flight,
+    at least 2, plus 1) stay within 512 MiB."""
+    per_stream = max(2, -(-4 // max(1, n - 1))) + 1
+    return "ring" if (8 + (n - 1) * per_stream) * STAGE_CHUNK <= 512 * MiB else "bcast"
 
 
 # -- calibration: the virtual cluster, 1 Gbit/s links, one rank per node ----------------------

@@ -404,7 +404,7 @@ def test_stage_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert result["correct"] is True and result["config"]["nodes"] == 2
     rows = {r["strategy"]: r for r in result["strategies"]}
-    assert set(rows) == {"bcast", "allgather", "every-rank", "cp"}
+    assert set(rows) == {"bcast", "allgather", "ring", "every-rank", "cp", "mpi"}
     # the point of staging: the source is read once per node group, not once per node
     assert rows["bcast"]["read_amplification"] < 1.1
     assert rows["every-rank"]["read_amplification"] > 1.9

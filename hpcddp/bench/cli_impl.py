@@ -158,9 +158,13 @@ def _stage(args) -> int:
     from hpcddp.comm import log
     strategies = _split(args.strategies, "strategy", stage.STRATEGIES) if args.strategies \
         else list(stage.STRATEGIES)
+    link = None
+    if args.link_rate:
+        from hpcddp.bench.vcluster import link_bytes_per_s
+        link = link_bytes_per_s(args.link_rate)
     result = stage.run(args.dir, size_mb=args.size_mb, files=args.files,
                        rounds=args.rounds or 4, strategies=strategies, cold=not args.warm,
-                       progress=lambda s: log(f"bench stage: {s}"))
+                       progress=lambda s: log(f"bench stage: {s}"), link_bytes_per_s=link)
     if result is None:
         return 0
     result["command"] = _command_line()

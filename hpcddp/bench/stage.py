@@ -4,8 +4,12 @@ One job, one synthetic packed data set (LMDB, random bytes), the same destinatio
 strategies a user could pick, in interleaved rounds whose order rotates:
 
 ``bcast``       hpcddp.data.stage: node leaders each read a disjoint range of shards once
-                (scatter), then broadcast it to the other leaders (the default)
+                (scatter), then broadcast it to the other leaders
 ``allgather``   the same read split, exchanged with one MPI_Allgatherv per round
+``ring``        the same read split, passed around a ring of leaders, several chunks in
+                flight (the default for groups of up to 9 nodes)
+``mpi``         not a stager: one raw MPI_Allgather of the same bytes among the node leaders
+                (1/N of the data set from each), no file touched: what MPI alone does
 ``every-rank``  hpcddp.data.stage(strategy="every-rank"): every rank copies what its node
                 needs straight from the source, no MPI traffic (the usual job-script habit)
 ``cp``          ``cp -r SRC DEST`` once per node (on the node leader): the shell baseline
@@ -17,7 +21,10 @@ the whole data set once per node). Before every run the source is evicted from t
 (``posix_fadvise(DONTNEED)``, these files only) so reads come from the disk, and the
 destination of the previous run is removed. Emulated nodes (HPCDDP_RANKS_PER_NODE) share one
 disk and one page cache: the bytes-read column is exact, the times show the algorithms'
-overheads on this machine, not a parallel file system's bandwidth.
+overheads on this machine, not a parallel file system's bandwidth. Across virtual nodes
+(``--vcluster N --rate R``) the link's bound, (N-1)/N of the data set over R, comes with the
+table and each row's fraction of it; the source sits in the shared /tmp, read beside the link
+as from a parallel file system, so ``every-rank`` and ``cp`` cross no link there.
 
 Then what the integrity checks cost on the same data set (``integrity`` in the JSON): the
 destination lock's share of each stage (``phases["lock"]``); a re-stage onto a READY copy
@@ -33,7 +40,7 @@ import subprocess
 import tempfile
 import time
 
-STRATEGIES = ("bcast", "allgather", "every-rank", "cp")
+STRATEGIES = ("bcast", "allgather", "ring", "every-rank", "cp", "mpi")
 
 
 def _sleepy_barrier(comm) -> None:
@@ -85,7 +92,8 @@ def make_source(path: str, size_mb: float, files: int, seed: int = 0) -> int:
 
 
 def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
-        strategies=STRATEGIES, cold: bool = True, progress=None) -> dict | None:
+        strategies=STRATEGIES, cold: bool = True, progress=None,
+        link_bytes_per_s: float | None = None) -> dict | None:
     """Run the staging benchmark; collective over the world. The result on rank 0."""
     import hpcddp
     from hpcddp.bench import machine, protocol
@@ -137,7 +145,10 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
             _sleepy_barrier(ctl)
             t0 = time.perf_counter()
             good = True
-            if s == "cp":
+            if s == "mpi":
+                n_read = n_written = 0
+                good = _raw_allgather(topo, dataset)
+            elif s == "cp":
                 n_read = n_written = 0
                 if topo.is_leader:
                     node_dest = dest.replace("{node}", str(topo.node))
@@ -199,9 +210,27 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
             "config": {"size_mb": size_mb, "files": files, "rounds": rounds,
                        "discarded_rounds": 1, "strategies": list(strategies),
                        "ranks": ctl.Get_size(), "nodes": topo.num_nodes,
-                       "cache": "cold" if cold else "warm"},
+                       "cache": "cold" if cold else "warm", "link_bytes_per_s": link_bytes_per_s},
+            "bound_s": ((topo.num_nodes - 1) / topo.num_nodes * dataset / link_bytes_per_s
+                        if link_bytes_per_s and topo.num_nodes > 1 else None),
             "dataset_bytes": dataset, "strategies": rows, "ratios": ratios,
             "integrity": integrity, "correct": all(ok.values())}
+
+
+def _raw_allgather(topo, dataset: int) -> bool:
+    """One MPI_Allgather among the node leaders, 1/N of DATASET bytes from each; whether every
+    leader got every other's bytes (checked outside the timed part would cost a second pass:
+    a byte per block is enough to catch a wrong displacement)."""
+    import numpy as np
+    if not topo.is_leader:
+        return True
+    lc = topo.leader_comm
+    n, me = lc.Get_size(), lc.Get_rank()
+    per = -(-dataset // n)
+    mine = np.full(per, me % 251, dtype=np.uint8)
+    got = np.empty(per * n, dtype=np.uint8)
+    lc.Allgather(mine, got)
+    return all(got[j * per] == j % 251 and got[(j + 1) * per - 1] == j % 251 for j in range(n))
 
 
 def _read_all(root: str) -> None:
@@ -290,6 +319,9 @@ def text(result: dict, markdown: bool = False) -> str:
     cfg = result["config"]
     header = ["strategy", "seconds", "GB/s per node", "GB/s written (all nodes)",
               "read from source", "x data set", "time vs bcast", "throughput vs cp", "check"]
+    bound = result.get("bound_s")
+    if bound:
+        header.insert(2, "of the link's bound")
 
     def cell(ratio, same):
         if ratio:
@@ -301,14 +333,20 @@ def text(result: dict, markdown: bool = False) -> str:
         s = row["strategy"]
         rows.append([s, f"{_num(row['seconds'])} ({_num(row['q1_s'])}–"
                      f"{_num(row['q3_s'])})", _num(row["node_gbps"]), _num(row["written_gbps"]),
-                     f"{row['bytes_read_from_source'] / 1e6:.0f} MB",
-                     f"{row['read_amplification']:.2f}",
+                     f"{row['bytes_read_from_source'] / 1e6:.0f} MB" if s != "mpi" else "-",
+                     f"{row['read_amplification']:.2f}" if s != "mpi" else "-",
                      cell(result["ratios"].get(f"{s}/bcast"), s == "bcast"),
                      cell(result["ratios"].get(f"cp/{s}"), s == "cp"),
                      "ok" if row["correct"] else "FAILED"])
+        if bound:
+            rows[-1].insert(2, f"{_num(bound / row['seconds'])} ({_num(bound / row['q3_s'])}–"
+                               f"{_num(bound / row['q1_s'])})")
     title = (f"staging {result['dataset_bytes'] / 1e6:.0f} MB ({cfg['files']} shards) to "
              f"{cfg['nodes']} node(s), {cfg['ranks']} ranks, {cfg['cache']} source cache: "
              f"median over rounds (quartiles), MAX over ranks; GB = 1e9 B")
+    if bound:
+        title += (f"; the link's bound: (N-1)/N of the data set at "
+                  f"{cfg['link_bytes_per_s'] / 1e6:.0f} MB/s = {_num(bound)} s")
     parts = [_render(title, header, rows, markdown)]
     if result.get("integrity"):
         parts.append(integrity_text(result))
@@ -345,6 +383,10 @@ def plot(result: dict, path: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
     names = [r["strategy"] for r in rows]
     a.bar(names, [r["node_gbps"] for r in rows], color="tab:blue")
+    if result.get("bound_s"):      # the link's bound as a rate per node
+        a.axhline(result["dataset_bytes"] / result["bound_s"] / 1e9, color="k", ls="--", lw=1,
+                  label="link's bound")
+        a.legend(fontsize=8)
     a.set_ylabel("GB/s per node")
     a.set_title("staging throughput", fontsize=10)
     b.bar(names, [r["read_amplification"] for r in rows], color="tab:red")

@@ -37,10 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-nodes", type=int, metavar="K",
                         help="nodes per group; the source is read once per group (default: "
                              "all nodes in one group)")
-    parser.add_argument("--strategy", choices=("auto", "bcast", "allgather", "every-rank"),
+    parser.add_argument("--strategy", choices=("auto", "bcast", "allgather", "ring", "every-rank"),
                         default="auto",
-                        help="how shards reach the group's nodes (auto: allgather for groups of "
-                             "up to 8 nodes, bcast beyond); every-rank is the baseline with no "
+                        help="how shards reach the group's nodes (auto: ring for groups of "
+                             "up to 9 nodes, bcast beyond); every-rank is the baseline with no "
                              "MPI traffic")
     parser.add_argument("--chunk-size", type=parse_size, default="16M", metavar="SIZE",
                         help="bytes per read and per message (default 16M)")

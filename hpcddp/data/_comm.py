@@ -67,6 +67,15 @@ def watched(comm, op: str):
     ends in the watchdog's stall report naming it (docs/hangs.md), not in the job's time
     limit. Each staging communicator has a name ("stage#2 (4 ranks)": the plan's world, its
     node groups and their leaders are distinct communicators) and its own sequence numbers."""
+    entry = watch_begin(comm, op)
+    try:
+        yield
+    finally:
+        watch_end(entry)
+
+
+def watch_begin(comm, op: str):
+    """:func:`watched`'s start, for a wait that is not one block of code (the ring's rounds)."""
     from hpcddp.comm.communicator import Communicator
     from hpcddp.diagnostics import recorder
     key = id(comm)
@@ -76,8 +85,9 @@ def watched(comm, op: str):
             _watched.clear()
         name = f"stage#{len(_watched) + 1} ({comm.Get_size()} ranks)"
         held = _watched[key] = (comm, Communicator(comm, name))
-    entry = recorder.start(held[1], op)
-    try:
-        yield
-    finally:
-        recorder.end(entry)
+    return recorder.start(held[1], op)
+
+
+def watch_end(entry) -> None:
+    from hpcddp.diagnostics import recorder
+    recorder.end(entry)

@@ -8,21 +8,33 @@ travel to every leader:
 * bcast: leader by leader, chunk by chunk, from the leader that read it (``MPI_Bcast``);
   buffers do not grow with the group;
 * allgather: in each round every leader contributes its next chunk and one
-  ``MPI_Allgatherv`` delivers them all, so all leaders read and send at once.
+  ``MPI_Allgatherv`` delivers them all, so all leaders read and send at once;
+* ring: every leader sends to the next one around the ring its own chunks and the chunks it
+  received and must pass on, with nonblocking sends and receives posted ahead: each link
+  carries (N-1)/N of the data with several chunks in flight, and no leader waits for any
+  but its neighbours (mpifileutils' dbcast pipelines the same way).
 
 Shards (a tree's files) are laid end to end in chunks (:func:`pack_chunks`): a chunk carries
 thousands of small files in one round, and a large file spans several chunks.
-Every leader walks the same sequence of collectives, derived from what all of them already
-hold (the union and the split), so the group stays in step whatever each node misses. A
+Every leader walks the same sequence of collectives (or, in the ring, of messages), derived
+from what all of them already hold (the union and the split), so the group stays in step
+whatever each node misses. A
 shard that cannot be read is sent as zeros with its reader's verdict, so the receivers fail
 it too instead of waiting.
 """
 from __future__ import annotations
 
+import collections
+import time
+
 from hpcddp.data import manifest as mf
-from hpcddp.data._comm import watched
+from hpcddp.data._comm import watch_begin, watch_end, watched
 from hpcddp.data._staging_io import CopyStats, Reader, Sink, slot_pool
-from hpcddp.data._staging_plan import pack_chunks, split_by_bytes
+from hpcddp.data._staging_plan import (NBUFS, RING_IN_FLIGHT, pack_chunks, ring_stream_slots,
+                                      split_by_bytes)
+
+# ring: seconds between polls of MPI while nothing can move
+RING_POLL_S = 0.0005
 
 
 def copy_exchange(gl, strategy: str, src: str, node_dest: str, m: mf.Manifest, todo: list,
@@ -35,8 +47,11 @@ def copy_exchange(gl, strategy: str, src: str, node_dest: str, m: mf.Manifest, t
     """
     gsize, me = gl.Get_size(), gl.Get_rank()
     sizes = [s.bytes for s in m.shards]
-    pool = slot_pool(chunk * (gsize if strategy == "allgather" else 1))
-    sink = Sink(pool, node_dest, m.shards, fsync, bar, files, suffix)
+    if strategy == "ring":       # the reader's slots also hold my chunks in flight
+        pool = slot_pool(chunk, NBUFS + RING_IN_FLIGHT)
+    else:
+        pool = slot_pool(chunk * (gsize if strategy == "allgather" else 1))
+    sink = Sink(node_dest, m.shards, fsync, bar, files, suffix)
     try:
         with watched(gl, "stage:allgather"):
             union = sorted(set().union(*map(set, gl.allgather(todo))))
@@ -44,7 +59,9 @@ def copy_exchange(gl, strategy: str, src: str, node_dest: str, m: mf.Manifest, t
         at = me * chunk if strategy == "allgather" else 0
         reader = Reader(src, m.shards, plans[me], pool, at, files)
         reader.start()
-        run = _run_bcast if strategy == "bcast" else _run_allgather
+        run = {"bcast": _run_bcast, "allgather": _run_allgather, "ring": _run_ring}[strategy]
+        if gsize == 1:           # nothing travels: the bcast loop is the plain copy
+            run = _run_bcast
         run(gl, plans, chunk, me, reader, pool, sink, set(todo))
         reader.join()
     finally:
@@ -113,3 +130,110 @@ def _run_allgather(gl, plans, chunk, me, reader, pool, sink, want) -> None:
         kept = [p for j, c in enumerate(chunks)
                 for p in _pieces_kept(c, every[j] or [], j * chunk, want)]
         sink.submit(slot, kept)
+
+
+class _Stream:
+    """One origin's chunks as they pass this leader: receives posted in round order into the
+    stream's own slots (so no stream can starve another of buffers), each chunk kept until it
+    is passed on and handed to the Sink."""
+
+    def __init__(self, origin: int, chunks: list, chunk: int, nslots: int):
+        self.origin, self.chunks = origin, chunks
+        self.slots = slot_pool(chunk, nslots) if chunks else None
+        self.posted: collections.deque = collections.deque()   # [round, slot, request]
+        self.next_post = 0
+        self.received = 0
+
+    @property
+    def done(self) -> bool:
+        return self.received == len(self.chunks)
+
+
+def _run_ring(gl, plans, chunk, me, reader, pool, sink, want) -> None:
+    """Pass every leader's chunks around the ring (see the module's docstring).
+
+    Each origin's chunks form a stream with tags of its own: the origin sends them right as
+    its reader delivers them, every other leader receives them from the left in round order
+    and passes them on, but the last one (the origin's left neighbour). So a stream never
+    waits for another, and several chunks are in flight on each link (one or two in flight
+    leave Open MPI's TCP transport idle between messages: measured, docs/data.md). Every
+    wait polls MPI (its TCP transport moves bytes only inside MPI calls); chunks go to the
+    Sink in each stream's order, which keeps a shard's pieces in order for its hash. The
+    recorder holds one entry per round (the oldest one not yet complete here), the same
+    sequence on every leader, so a peer that stops shows in the stall report.
+    """
+    from hpcddp.comm import MPI
+    g = gl.Get_size()
+    right, left = (me + 1) % g, (me - 1) % g
+    rounds = max((len(p) for p in plans), default=0)
+    streams = [_Stream(o, plans[o], chunk, ring_stream_slots(g)) for o in range(g) if o != me]
+    held = {o: collections.deque() for o in range(g)}   # (send requests, slot, kept), in order
+    mine = plans[me]
+    sent = 0
+    rc = gl.Dup()                # the ring's messages apart from every other call's
+
+    def nbytes(pieces) -> int:
+        return sum(p[3] for p in pieces)
+
+    def pass_on(origin, slot, pieces, verdicts) -> None:
+        """Send SLOT right unless it ends its way here; keep it until sent, then write it."""
+        reqs = []
+        if (origin - 1) % g != me:
+            if any(p[4] for p in pieces):
+                reqs.append(rc.isend(verdicts, dest=right, tag=g + origin))
+            if nbytes(pieces):
+                reqs.append(rc.Isend([slot.buf, nbytes(pieces), MPI.BYTE], dest=right,
+                                     tag=origin))
+        held[origin].append((reqs, slot, _pieces_kept(pieces, verdicts or [], 0, want)))
+
+    def step() -> bool:
+        """Do what can be done now without waiting; whether anything moved."""
+        nonlocal sent
+        moved = False
+        while sent < len(mine) and len(held[me]) < RING_IN_FLIGHT and reader.ready():
+            slot, verdicts = reader.next()
+            pass_on(me, slot, mine[sent], verdicts)
+            sent += 1
+            moved = True
+        for st in streams:
+            while st.next_post < len(st.chunks) and not st.slots.empty():
+                slot = st.slots.get_nowait()
+                n = nbytes(st.chunks[st.next_post])
+                req = rc.Irecv([slot.buf, n, MPI.BYTE], source=left, tag=st.origin) if n else None
+                st.posted.append((st.next_post, slot, req))
+                st.next_post += 1
+            while st.posted and (st.posted[0][2] is None or st.posted[0][2].Test()):
+                r, slot, _ = st.posted.popleft()
+                pieces = st.chunks[r]
+                verdicts = rc.recv(source=left, tag=g + st.origin) \
+                    if any(p[4] for p in pieces) else None
+                pass_on(st.origin, slot, pieces, verdicts)
+                st.received += 1
+                moved = True
+        for q in held.values():
+            while q and all(req.Test() for req in q[0][0]):
+                _, slot, kept = q.popleft()
+                sink.submit(slot, kept)
+                moved = True
+        return moved
+
+    def rounds_done() -> int:
+        """Rounds complete here: my chunk sent and every stream's chunk received."""
+        return min([sent if sent < len(mine) else rounds] +
+                   [st.received if not st.done else rounds for st in streams])
+
+    done = 0
+    entry = watch_begin(gl, "stage:ring")
+    try:
+        while done < rounds or any(held.values()):
+            if not step():
+                MPI.Request.Testall([q for d in held.values() for e in d for q in e[0]] +
+                                    [e[2] for st in streams for e in st.posted if e[2]])
+                time.sleep(RING_POLL_S)
+            while done < min(rounds_done(), rounds):
+                done += 1
+                watch_end(entry)
+                entry = watch_begin(gl, "stage:ring")
+    finally:
+        watch_end(entry)
+        rc.Free()

@@ -66,20 +66,23 @@ def settle(sh: mf.Shard, partial: str, final: str, err: str | None, copied: list
 # -- the write side: hash and write on two threads, finish shards in order ---------------------
 
 class Slot:
-    """One chunk buffer of the pool; REFS counts the threads (write, hash) still using it."""
-    __slots__ = ("buf", "refs", "lock")
+    """One chunk buffer of a pool (HOME, where it returns once written); REFS counts the
+    threads (write, hash) still using it."""
+    __slots__ = ("buf", "refs", "lock", "home")
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, home: "queue.Queue[Slot]"):
         self.buf = np.empty(max(1, nbytes), dtype=np.uint8)
         self.refs = 0
         self.lock = threading.Lock()
+        self.home = home
 
 
-def slot_pool(nbytes: int) -> "queue.Queue[Slot]":
-    """NBUFS slots of NBYTES: all the buffer memory one leader's copy uses."""
+def slot_pool(nbytes: int, count: int = NBUFS) -> "queue.Queue[Slot]":
+    """COUNT slots of NBYTES: with the ring's receive slots, all the buffer memory one
+    leader's copy uses."""
     pool: queue.Queue = queue.Queue()
-    for _ in range(NBUFS):
-        pool.put(Slot(nbytes))
+    for _ in range(count):
+        pool.put(Slot(nbytes, pool))
     return pool
 
 
@@ -107,9 +110,9 @@ class Sink:
     GIL, so they overlap with each other and with the main thread's reads and MPI calls.
     """
 
-    def __init__(self, pool: "queue.Queue[Slot]", dest: str, shards, fsync: bool, bar,
-                 files: bool = False, suffix: str = ""):
-        self.pool, self.dest, self.fsync, self.bar = pool, dest, fsync, bar
+    def __init__(self, dest: str, shards, fsync: bool, bar, files: bool = False,
+                 suffix: str = ""):
+        self.dest, self.fsync, self.bar = dest, fsync, bar
         self.files, self.suffix = files, suffix
         self.out: dict[int, _ShardOut] = {}
         self.shards = shards
@@ -158,7 +161,7 @@ class Sink:
             free = slot.refs <= 0
         if free:
             slot.refs = 0
-            self.pool.put(slot)
+            slot.home.put(slot)
 
     def close(self) -> None:
         self.q_write.put(None)
@@ -342,6 +345,10 @@ class Reader(threading.Thread):
         self.read_s += time.perf_counter() - t
         self.bytes_read += got
         return got
+
+    def ready(self) -> bool:
+        """Whether :meth:`next` would return at once (the ring polls MPI meanwhile)."""
+        return not self.out.empty()
 
     def next(self):
         """The next (slot, verdicts), in plan order; raises what ended the reading thread,

@@ -22,8 +22,11 @@ from hpcddp.data import manifest as mf
 # Chunk buffers per leader: one being read ahead, one on the wire, two being written and
 # hashed; the pool size bounds the memory a leader holds whatever the data set's size.
 NBUFS = 4
-# allgather keeps NBUFS slots of group_nodes chunks per leader; beyond this it uses bcast
-AUTO_ALLGATHER_MAX_BYTES = 512 << 20
+# ring: chunks in flight on each link (all streams together; at 2 nodes 2 in flight reached
+# 0.65-0.7 of a 1 Gbit/s link and 4 reached 0.85-0.95, docs/data.md)
+RING_IN_FLIGHT = 4
+# auto runs the ring while its buffers (ring_buffers) stay within this; bcast beyond
+AUTO_RING_MAX_BYTES = 512 << 20
 # pieces (files or parts of files) per chunk at most: bounds the header of checksums and
 # verdicts that travels with each chunk, and the work per round, for trees of tiny files
 MAX_PIECES = 4096
@@ -125,17 +128,29 @@ def pack_chunks(items: list[int], sizes: list[int], chunk: int,
     return chunks
 
 
+def ring_stream_slots(group_nodes: int) -> int:
+    """Receive slots per stream (one stream per other leader) in the ring: its share of the
+    chunks in flight on the link, at least 2, and one being written."""
+    return max(2, -(-RING_IN_FLIGHT // max(1, group_nodes - 1))) + 1
+
+
+def ring_buffers(group_nodes: int, chunk_bytes: int) -> int:
+    """Bytes of chunk buffers one leader holds in the ring: its reader's (read ahead, in
+    flight) and every stream's."""
+    return (NBUFS + RING_IN_FLIGHT + (group_nodes - 1) * ring_stream_slots(group_nodes)) \
+        * chunk_bytes
+
+
 def auto_strategy(group_nodes: int, chunk_bytes: int) -> str:
     """What ``strategy="auto"`` runs for a group of ``group_nodes`` nodes.
 
-    allgather where its buffers (NBUFS x group_nodes x chunk_bytes per leader) stay within
-    512 MiB, i.e. groups of up to 8 nodes at the default 16 MiB chunk: every leader reads and
-    sends at once instead of one leader at a time, which is faster where the buffers are
-    affordable (docs/data.md has the measurement). bcast beyond: its buffers do not grow with
-    the group.
+    The ring where its buffers (:func:`ring_buffers`) stay within 512 MiB per leader, i.e.
+    groups of up to 9 nodes at the default 16 MiB chunk: it was the fastest strategy at 2, 3
+    and 4 virtual nodes on a 1 Gbit/s link and on one node (docs/data.md has the
+    measurements). bcast beyond: its buffers do not grow with the group.
     """
-    if NBUFS * group_nodes * chunk_bytes <= AUTO_ALLGATHER_MAX_BYTES:
-        return "allgather"
+    if ring_buffers(group_nodes, chunk_bytes) <= AUTO_RING_MAX_BYTES:
+        return "ring"
     return "bcast"
 
 

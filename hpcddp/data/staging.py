@@ -10,6 +10,9 @@ then reaches every node of the group that needs it (the *broadcast*) over MPI:
   group's leaders (``MPI_Bcast``), while a read-ahead thread fetches the next chunk;
 * ``strategy="allgather"``: all leaders read a chunk each at once and exchange them with one
   ``MPI_Allgatherv`` per round;
+* ``strategy="ring"``: every leader passes its chunks and those it received to the next
+  leader around a ring, several chunks in flight (nonblocking point-to-point): each link
+  carries (N-1)/N of the data and no step waits for a leader other than the neighbours;
 * ``strategy="every-rank"``: the baseline the benchmark compares with: every rank copies
   what its node needs straight from the source (N reads of every byte), no MPI traffic.
 
@@ -30,7 +33,7 @@ This module is the driver; each phase has its own module:
                                        free space, the STAGING marker
 :mod:`hpcddp.data._staging_io`         copy, file side: read-ahead, write + checksum, and
                                        the no-MPI copy of whole shards
-:mod:`hpcddp.data._staging_exchange`   copy, MPI side: bcast / allgather between leaders
+:mod:`hpcddp.data._staging_exchange`   copy, MPI side: bcast / allgather / ring between leaders
 :mod:`hpcddp.data._staging_finalize`   finalize: agree, manifest + READY, the result
 =====================================  ===================================================
 
@@ -52,16 +55,16 @@ from hpcddp.data._comm import watched
 from hpcddp.data._staging_exchange import copy_exchange
 from hpcddp.data._staging_finalize import StageResult, finalize
 from hpcddp.data._staging_io import CopyStats, copy_local
-from hpcddp.data._staging_plan import (AUTO_ALLGATHER_MAX_BYTES, NBUFS, Job, Plan, StageError,
+from hpcddp.data._staging_plan import (AUTO_RING_MAX_BYTES, NBUFS, Job, Plan, StageError,
                                        auto_strategy, chunks_of, job_layout, make_plan,
                                        resolve_dest, split_by_bytes)
 
-__all__ = ["AUTO_ALLGATHER_MAX_BYTES", "DEFAULT_CHUNK_BYTES", "DEFAULT_LOCK_WAIT_S",
+__all__ = ["AUTO_RING_MAX_BYTES", "DEFAULT_CHUNK_BYTES", "DEFAULT_LOCK_WAIT_S",
            "MAX_CHUNK_BYTES", "MODES", "NBUFS", "STRATEGIES", "StageError", "StageResult",
            "auto_strategy", "chunks_of", "resolve_dest", "split_by_bytes", "stage", "write_json"]
 
 MODES = ("replicate", "partition")
-STRATEGIES = ("auto", "bcast", "allgather", "every-rank")
+STRATEGIES = ("auto", "bcast", "allgather", "ring", "every-rank")
 VERIFY = ("auto", "full", "size")
 DEFAULT_CHUNK_BYTES = 16 << 20
 MAX_CHUNK_BYTES = 1 << 30          # MPI counts are ints; stay well clear of 2 GiB
@@ -86,11 +89,12 @@ def stage(src: str, dest: str, *, mode: str = "replicate", group_nodes: int | No
         mode: ``"replicate"`` (every node gets everything) or ``"partition"`` (node j of a
             group of k gets the j-th of k byte-balanced shard ranges).
         group_nodes: nodes per group (the source is read once per group); default all nodes.
-        strategy: ``"bcast"``, ``"allgather"``, ``"every-rank"`` (baseline: every rank copies
-            from the source itself) or ``"auto"`` (:func:`auto_strategy`: allgather for
-            groups of up to 8 nodes, bcast beyond; docs/data.md has the numbers).
-        chunk_bytes: bytes per read and per message (memory per leader: 4 chunks; allgather:
-            4 x group_nodes chunks).
+        strategy: ``"bcast"``, ``"allgather"``, ``"ring"``, ``"every-rank"`` (baseline:
+            every rank copies from the source itself) or ``"auto"`` (:func:`auto_strategy`:
+            the ring for groups of up to 9 nodes, bcast beyond; docs/data.md has the numbers).
+        chunk_bytes: bytes per read and per message (memory per leader: bcast 4 chunks;
+            allgather 4 x group_nodes chunks; ring 13 chunks at 2 nodes, 8 + 3 x
+            (group_nodes - 1) beyond: :func:`~hpcddp.data._staging_plan.ring_buffers`).
         verify: shards already in ``dest``: ``"auto"`` (hash them unless a READY marker for
             this very manifest vouches for them: it does for a shard whose size, mtime, ctime
             and inode are the ones it recorded), ``"full"`` (always hash), ``"size"``.

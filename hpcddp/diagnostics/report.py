@@ -239,6 +239,10 @@ def _analyse_calls(snaps: dict, gone: dict, size: int) -> dict:
                 # a ring or a tree lets a rank finish its part of a call before the others
                 other[m] = (f"has finished its part of #{seq} and waits in the next call, "
                             f"{op_text(d)}")
+            elif d["seq"] > seq and d["op"] == op["op"] and _ran_ahead(s, key, op, d["seq"]):
+                other[m] = (f"has finished its part of #{seq} to #{d['seq'] - 1} and waits in "
+                            f"{op_text(d)}: a pipeline (the staging ring) lets a rank run "
+                            f"ahead of the slowest")
             elif d["seq"] > seq:
                 kinds.add("mismatch")
                 other[m] = (f"already passed #{seq} and is in {op_text(d)}: its calls were "
@@ -303,6 +307,16 @@ def _finished_same(snap: dict, key, op: dict) -> bool:
            if d and d["seq"] == op["seq"] and d.get("done_ago") is not None
            and not d.get("abandoned")]
     return bool(rec) and all(rec[0].get(k) == op.get(k) for k in ("op", "shape", "dtype"))
+
+
+def _ran_ahead(snap: dict, key, op: dict, upto: int) -> bool:
+    """Whether SNAP's rank completed every call it still remembers from #seq to #UPTO-1 of OP's
+    group, all as OP's op: a pipeline's rank that runs several calls ahead (the recorder keeps
+    the last few calls per group, so a longer run is judged by those)."""
+    rec = [d for d in (_last_on(snap, key) or {}).get("recent", [])
+           if d and op["seq"] <= d["seq"] < upto]
+    return bool(rec) and all(d.get("done_ago") is not None and not d.get("abandoned")
+                             and d["op"] == op["op"] for d in rec)
 
 
 def _differing_calls(snaps: dict, members: list, key, seq: int, group: str) -> str:

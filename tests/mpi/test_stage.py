@@ -95,7 +95,7 @@ def _check_copy(rt, src, dest_tpl, items, shards=None):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
-@pytest.mark.parametrize("strategy", ["bcast", "allgather", "every-rank"])
+@pytest.mark.parametrize("strategy", ["bcast", "allgather", "ring", "every-rank"])
 def test_round_trip_replicate(rt, tmp, fmt, strategy):
     items = _items(97, seed=1)  # ~440 KB in 11..12 uneven shards
     src = os.path.join(tmp, "src")

@@ -50,9 +50,9 @@ def main() -> int:
     dest = os.path.join(work, "r-{node}")
     mine = os.path.join(work, f"r-{node}")
 
-    # 1. replicate, allgather (auto for a few nodes): every node gets everything, read once
+    # 1. replicate, ring (auto for a few nodes): every node gets everything, read once
     res = stage(src, dest, files=True, chunk_bytes=CHUNK, progress=False)
-    assert res.files and res.strategy == "allgather" and res.num_shards == nfiles
+    assert res.files and res.strategy == "ring" and res.num_shards == nfiles
     assert res.bytes_read_from_source == total == res.dataset_bytes, res.as_dict()
     assert res.shards_copied == nfiles * nodes and res.bytes_written == total * nodes
     same_tree(src, mine)

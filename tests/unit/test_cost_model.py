@@ -84,7 +84,7 @@ def test_staging_by_hand():
     assert r["total"] == pytest.approx(150 + 5 + 5 / 50 + 5 / 100)
     r = cm.staging(100, 4, "every-rank", net, st, chunk=5)
     assert (r["read"], r["exchange"], r["bound"]) == (100, 0, "read")
-    with pytest.raises(ValueError, match="valid: allgather, bcast, every-rank"):
+    with pytest.raises(ValueError, match="valid: allgather, ring, bcast, every-rank"):
         cm.staging(100, 4, "cp", net, st)
 
 

@@ -2,7 +2,9 @@
 import pytest
 
 from hpcddp.data import manifest as mf
-from hpcddp.data.staging import (AUTO_ALLGATHER_MAX_BYTES, NBUFS, auto_strategy, chunks_of,
+from hpcddp.data._staging_plan import (AUTO_RING_MAX_BYTES, RING_IN_FLIGHT, ring_buffers,
+                                      ring_stream_slots)
+from hpcddp.data.staging import (NBUFS, auto_strategy, chunks_of,
                                  resolve_dest, split_by_bytes)
 
 
@@ -40,14 +42,16 @@ def test_resolve_dest(monkeypatch):
         resolve_dest("/tmp/{rank}", 0, "h")
 
 
-def test_auto_strategy_allgather_while_its_buffers_fit():
+def test_auto_strategy_ring_while_its_buffers_fit():
     chunk = 16 << 20
-    fits = AUTO_ALLGATHER_MAX_BYTES // (NBUFS * chunk)
-    assert fits == 8                                 # the documented group size at 16 MiB
-    assert auto_strategy(1, chunk) == "allgather"
-    assert auto_strategy(fits, chunk) == "allgather"
+    assert ring_buffers(2, chunk) == (NBUFS + RING_IN_FLIGHT + 5) * chunk   # 208 MiB
+    fits = max(n for n in range(1, 100) if ring_buffers(n, chunk) <= AUTO_RING_MAX_BYTES)
+    assert fits == 9                                 # the documented group size at 16 MiB
+    assert auto_strategy(1, chunk) == "ring"
+    assert auto_strategy(fits, chunk) == "ring"
     assert auto_strategy(fits + 1, chunk) == "bcast"
-    assert auto_strategy(64, 1 << 20) == "allgather"  # small chunks: big groups fit
+    assert auto_strategy(64, 1 << 20) == "ring"      # small chunks: big groups fit
+    assert ring_stream_slots(2) == 5 and ring_stream_slots(3) == 3 and ring_stream_slots(64) == 3
 
 
 def test_checker_crc32c_and_sha256(tmp_path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import queue
 import socket
 import stat
 import tempfile
@@ -205,9 +204,7 @@ def test_make_dirs_refuses_a_planted_link(tmp_path):
 
 def _read_all(src, tree, chunk):
     chunks = pack_chunks(list(range(len(tree.shards))), [f.bytes for f in tree.shards], chunk)
-    pool = queue.Queue()
-    for _ in range(4):
-        pool.put(io.Slot(chunk))
+    pool = io.slot_pool(chunk, 4)
     reader = io.Reader(str(src), tree.shards, chunks, pool, 0, files=True)
     reader.start()
     verdicts, data = [], {}

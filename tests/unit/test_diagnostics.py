@@ -315,6 +315,21 @@ def test_a_rank_that_finished_its_part_of_a_ring_is_not_a_mismatch():
     assert "matched with different ones" in "\n".join(report.analyse(snaps, {}, 4)["lines"])
 
 
+def test_a_rank_ahead_in_a_pipeline_is_not_a_mismatch():
+    """The staging ring holds one recorder entry per round; a leader whose neighbour still
+    has chunks to pass runs several rounds ahead of a leader that stopped."""
+    snaps = {0: _snap(0, [_op("stage:ring", 25, 5.0)], seq=24),
+             1: _snap(1, [_op("stage:ring", 20, 6.1)], seq=19)}
+    snaps[0]["groups"][0]["recent"] = [_op("stage:ring", q, 6.0, done=5.5) for q in range(20, 25)]
+    text = "\n".join(report.analyse(snaps, {}, 2)["lines"])
+    assert "rank 1 has waited 6.1 s in stage:ring #20" in text
+    assert "rank 0 has finished its part of #20 to #24 and waits in stage:ring #25" in text
+    assert "matched with different ones" not in text
+    # another op among those calls stays a mismatch
+    snaps[0]["groups"][0]["recent"][2] = _op("stage:agree", 22, 6.0, done=5.5)
+    assert "matched with different ones" in "\n".join(report.analyse(snaps, {}, 2)["lines"])
+
+
 SS = """\
 0      0      10.9.0.2:40000 10.9.0.3:50000 ino:11 sk:1 cgroup:/ <->
 \t ts sack cubic wscale:7,7 rto:1600 backoff:3 rtt:0.5/0.2 segs_out:40 segs_in:12 retrans:1/9
