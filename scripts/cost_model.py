@@ -290,10 +290,10 @@ def staging(d: float, n: int, strategy: str, net: Net, st: Storage,
 
 def auto_strategy(n: int) -> str:
     """hpcddp/data/_staging_plan.py auto_strategy at the default chunk: the ring while its
-    buffers (read ahead and 4 in flight: 8 chunks; per other leader its share of 4 in flight,
-    at least 2, plus 1) stay within 512 MiB."""
-    per_stream = max(2, -(-4 // max(1, n - 1))) + 1
-    return "ring" if (8 + (n - 1) * per_stream) * STAGE_CHUNK <= 512 * MiB else "bcast"
+    buffers (4 read ahead; per stream its share of 8 chunks in flight on a link, at least 2;
+    per other leader's stream one more, being written) stay within 512 MiB."""
+    share = max(2, -(-8 // max(1, n - 1)))
+    return "ring" if (4 + share + (n - 1) * (share + 1)) * STAGE_CHUNK <= 512 * MiB else "bcast"
 
 
 # -- calibration: the virtual cluster, 1 Gbit/s links, one rank per node ----------------------

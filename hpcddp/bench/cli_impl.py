@@ -164,7 +164,8 @@ def _stage(args) -> int:
         link = link_bytes_per_s(args.link_rate)
     result = stage.run(args.dir, size_mb=args.size_mb, files=args.files,
                        rounds=args.rounds or 4, strategies=strategies, cold=not args.warm,
-                       progress=lambda s: log(f"bench stage: {s}"), link_bytes_per_s=link)
+                       progress=lambda s: log(f"bench stage: {s}"), link_bytes_per_s=link,
+                       group_nodes=args.group_nodes)
     if result is None:
         return 0
     result["command"] = _command_line()

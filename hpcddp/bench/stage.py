@@ -93,7 +93,7 @@ def make_source(path: str, size_mb: float, files: int, seed: int = 0) -> int:
 
 def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
         strategies=STRATEGIES, cold: bool = True, progress=None,
-        link_bytes_per_s: float | None = None) -> dict | None:
+        link_bytes_per_s: float | None = None, group_nodes: int | None = None) -> dict | None:
     """Run the staging benchmark; collective over the world. The result on rank 0."""
     import hpcddp
     from hpcddp.bench import machine, protocol
@@ -127,6 +127,9 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
     setup = machine.describe(ctl, ctl.Get_size(), extra={
         "nodes_emulated": topo.emulated, "ranks_per_node": topo.local_size,
         "workdir": work, "filesystem": _fs_type(work), "cache": "cold" if cold else "warm"})
+    # the mpi row's communicator: the leaders of this node's staging group
+    groups_of = min(group_nodes or topo.num_nodes, topo.num_nodes)
+    peers = topo.leader_comm.Split(topo.node // groups_of, topo.node) if topo.is_leader else None
     meter = machine.LoadMeter(ctl)
     meter.start()
     times = {s: [] for s in strategies}
@@ -147,7 +150,7 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
             good = True
             if s == "mpi":
                 n_read = n_written = 0
-                good = _raw_allgather(topo, dataset)
+                good = _raw_allgather(peers, dataset)
             elif s == "cp":
                 n_read = n_written = 0
                 if topo.is_leader:
@@ -158,7 +161,7 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
                     good = proc.returncode == 0
                     n_read = n_written = dataset
             else:
-                res = stage(src, dest, strategy=s, progress=False)
+                res = stage(src, dest, strategy=s, group_nodes=group_nodes, progress=False)
                 n_read, n_written = res.bytes_read_from_source, res.bytes_written
                 lock_s.append(res.phases["lock"])
             _sleepy_barrier(ctl)
@@ -186,6 +189,7 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
     load = meter.stop()
     if rank != 0:
         return None
+    k = groups_of
     rows = []
     for s in strategies:
         kept = times[s][1:]
@@ -210,21 +214,21 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
             "config": {"size_mb": size_mb, "files": files, "rounds": rounds,
                        "discarded_rounds": 1, "strategies": list(strategies),
                        "ranks": ctl.Get_size(), "nodes": topo.num_nodes,
-                       "cache": "cold" if cold else "warm", "link_bytes_per_s": link_bytes_per_s},
-            "bound_s": ((topo.num_nodes - 1) / topo.num_nodes * dataset / link_bytes_per_s
-                        if link_bytes_per_s and topo.num_nodes > 1 else None),
+                       "cache": "cold" if cold else "warm", "link_bytes_per_s": link_bytes_per_s,
+                       "group_nodes": k},
+            "bound_s": ((k - 1) / k * dataset / link_bytes_per_s
+                        if link_bytes_per_s and k > 1 else None),
             "dataset_bytes": dataset, "strategies": rows, "ratios": ratios,
             "integrity": integrity, "correct": all(ok.values())}
 
 
-def _raw_allgather(topo, dataset: int) -> bool:
-    """One MPI_Allgather among the node leaders, 1/N of DATASET bytes from each; whether every
-    leader got every other's bytes (checked outside the timed part would cost a second pass:
-    a byte per block is enough to catch a wrong displacement)."""
+def _raw_allgather(lc, dataset: int) -> bool:
+    """One MPI_Allgather among the node leaders of a staging group (LC; None off the leaders),
+    1/N of DATASET bytes from each; whether every leader got every other's bytes (a byte at
+    each end of each block: enough to catch a wrong displacement)."""
     import numpy as np
-    if not topo.is_leader:
+    if lc is None:
         return True
-    lc = topo.leader_comm
     n, me = lc.Get_size(), lc.Get_rank()
     per = -(-dataset // n)
     mine = np.full(per, me % 251, dtype=np.uint8)
@@ -345,7 +349,9 @@ def text(result: dict, markdown: bool = False) -> str:
              f"{cfg['nodes']} node(s), {cfg['ranks']} ranks, {cfg['cache']} source cache: "
              f"median over rounds (quartiles), MAX over ranks; GB = 1e9 B")
     if bound:
-        title += (f"; the link's bound: (N-1)/N of the data set at "
+        if cfg.get("group_nodes", cfg["nodes"]) < cfg["nodes"]:
+            title += f"; groups of {cfg['group_nodes']} nodes"
+        title += (f"; the link's bound: (K-1)/K of the data set (K nodes per group) at "
                   f"{cfg['link_bytes_per_s'] / 1e6:.0f} MB/s = {_num(bound)} s")
     parts = [_render(title, header, rows, markdown)]
     if result.get("integrity"):

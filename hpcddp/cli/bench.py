@@ -86,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--files", type=int, default=16, help="shards in the data set (default 16)")
     p.add_argument("--strategies", help="comma-separated: bcast, allgather, ring, every-rank, "
                    "cp, mpi (one raw MPI_Allgather of the same bytes, no files; default: all)")
+    p.add_argument("--group-nodes", type=int, metavar="K",
+                   help="nodes per staging group (hpcddp stage --group-nodes; default: all)")
     p.add_argument("--warm", action="store_true",
                    help="leave the source in the page cache (default: evict it before each run)")
     _common(p)

@@ -91,3 +91,11 @@ def watch_begin(comm, op: str):
 def watch_end(entry) -> None:
     from hpcddp.diagnostics import recorder
     recorder.end(entry)
+
+
+def watch_local(entry, what: str | None) -> None:
+    """Say in ENTRY what it waits for when that is on this node (WHAT, e.g. "this node's
+    writer thread"), or None: the stall report then names this rank as the one the others
+    wait for (docs/hangs.md)."""
+    from hpcddp.diagnostics import recorder
+    entry[recorder.PEER] = what

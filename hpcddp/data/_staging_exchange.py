@@ -28,10 +28,9 @@ import collections
 import time
 
 from hpcddp.data import manifest as mf
-from hpcddp.data._comm import watch_begin, watch_end, watched
+from hpcddp.data._comm import watch_begin, watch_end, watch_local, watched
 from hpcddp.data._staging_io import CopyStats, Reader, Sink, slot_pool
-from hpcddp.data._staging_plan import (NBUFS, RING_IN_FLIGHT, pack_chunks, ring_stream_slots,
-                                      split_by_bytes)
+from hpcddp.data._staging_plan import NBUFS, pack_chunks, ring_share, split_by_bytes
 
 # ring: seconds between polls of MPI while nothing can move
 RING_POLL_S = 0.0005
@@ -48,7 +47,7 @@ def copy_exchange(gl, strategy: str, src: str, node_dest: str, m: mf.Manifest, t
     gsize, me = gl.Get_size(), gl.Get_rank()
     sizes = [s.bytes for s in m.shards]
     if strategy == "ring":       # the reader's slots also hold my chunks in flight
-        pool = slot_pool(chunk, NBUFS + RING_IN_FLIGHT)
+        pool = slot_pool(chunk, NBUFS + ring_share(gsize))
     else:
         pool = slot_pool(chunk * (gsize if strategy == "allgather" else 1))
     sink = Sink(node_dest, m.shards, fsync, bar, files, suffix)
@@ -166,7 +165,8 @@ def _run_ring(gl, plans, chunk, me, reader, pool, sink, want) -> None:
     g = gl.Get_size()
     right, left = (me + 1) % g, (me - 1) % g
     rounds = max((len(p) for p in plans), default=0)
-    streams = [_Stream(o, plans[o], chunk, ring_stream_slots(g)) for o in range(g) if o != me]
+    share = ring_share(g)        # each stream's chunks in flight
+    streams = [_Stream(o, plans[o], chunk, share + 1) for o in range(g) if o != me]
     held = {o: collections.deque() for o in range(g)}   # (send requests, slot, kept), in order
     mine = plans[me]
     sent = 0
@@ -190,7 +190,7 @@ def _run_ring(gl, plans, chunk, me, reader, pool, sink, want) -> None:
         """Do what can be done now without waiting; whether anything moved."""
         nonlocal sent
         moved = False
-        while sent < len(mine) and len(held[me]) < RING_IN_FLIGHT and reader.ready():
+        while sent < len(mine) and len(held[me]) < share and reader.ready():
             slot, verdicts = reader.next()
             pass_on(me, slot, mine[sent], verdicts)
             sent += 1
@@ -217,6 +217,13 @@ def _run_ring(gl, plans, chunk, me, reader, pool, sink, want) -> None:
                 moved = True
         return moved
 
+    def held_by_writer() -> bool:
+        """Whether nothing can move because every buffer waits for this node's writer: no
+        chunk of mine to send and no free slot to receive into while the Sink is behind."""
+        mine_waits = sent == len(mine) or (not reader.ready() and pool.empty())
+        return sink.backlog > 0 and mine_waits and all(
+            st.slots.empty() for st in streams if st.next_post < len(st.chunks))
+
     def rounds_done() -> int:
         """Rounds complete here: my chunk sent and every stream's chunk received."""
         return min([sent if sent < len(mine) else rounds] +
@@ -226,7 +233,10 @@ def _run_ring(gl, plans, chunk, me, reader, pool, sink, want) -> None:
     entry = watch_begin(gl, "stage:ring")
     try:
         while done < rounds or any(held.values()):
-            if not step():
+            moved = step()
+            watch_local(entry, None if moved or not held_by_writer()
+                        else "this node's writer thread (every chunk buffer waits to be written)")
+            if not moved:
                 MPI.Request.Testall([q for d in held.values() for e in d for q in e[0]] +
                                     [e[2] for st in streams for e in st.posted if e[2]])
                 time.sleep(RING_POLL_S)

@@ -123,6 +123,8 @@ class Sink:
         self.bytes_written = 0
         self.copied: list[int] = []
         self.errors: list[str] = []
+        self.backlog = 0         # chunks submitted and not yet written and hashed
+        self._backlog_lock = threading.Lock()
         self._threads = [threading.Thread(target=self._run, args=(self.q_write, True),
                                           name="hpcddp-stage-write", daemon=True),
                          threading.Thread(target=self._run, args=(self.q_hash, False),
@@ -146,11 +148,14 @@ class Sink:
     def submit(self, slot: Slot, pieces: list) -> None:
         """pieces: (shard, offset, start_in_slot, nbytes, last, reader_status, reader_crc);
         the last two only on a shard's last piece (the CRC for a tree's files only)."""
-        if not pieces:
-            self.release(slot)
+        if not pieces:          # nothing of this chunk is kept here
+            slot.refs = 0
+            slot.home.put(slot)
             return
         for p in pieces:
             self._state(p[0])  # create in the submitting thread: no race on self.out
+        with self._backlog_lock:
+            self.backlog += 1
         slot.refs = 2
         self.q_write.put((slot, pieces))
         self.q_hash.put((slot, pieces))
@@ -161,6 +166,8 @@ class Sink:
             free = slot.refs <= 0
         if free:
             slot.refs = 0
+            with self._backlog_lock:
+                self.backlog -= 1
             slot.home.put(slot)
 
     def close(self) -> None:

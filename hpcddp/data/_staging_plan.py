@@ -22,9 +22,9 @@ from hpcddp.data import manifest as mf
 # Chunk buffers per leader: one being read ahead, one on the wire, two being written and
 # hashed; the pool size bounds the memory a leader holds whatever the data set's size.
 NBUFS = 4
-# ring: chunks in flight on each link (all streams together; at 2 nodes 2 in flight reached
-# 0.65-0.7 of a 1 Gbit/s link and 4 reached 0.85-0.95, docs/data.md)
-RING_IN_FLIGHT = 4
+# ring: chunks in flight on each link, all streams together: Open MPI's TCP transport idles
+# between messages it has not been given yet (docs/data.md measures 4 against 8)
+RING_IN_FLIGHT = 8
 # auto runs the ring while its buffers (ring_buffers) stay within this; bcast beyond
 AUTO_RING_MAX_BYTES = 512 << 20
 # pieces (files or parts of files) per chunk at most: bounds the header of checksums and
@@ -128,17 +128,17 @@ def pack_chunks(items: list[int], sizes: list[int], chunk: int,
     return chunks
 
 
-def ring_stream_slots(group_nodes: int) -> int:
-    """Receive slots per stream (one stream per other leader) in the ring: its share of the
-    chunks in flight on the link, at least 2, and one being written."""
-    return max(2, -(-RING_IN_FLIGHT // max(1, group_nodes - 1))) + 1
+def ring_share(group_nodes: int) -> int:
+    """Chunks of one stream (one origin's chunks) in flight on a link: the link's
+    RING_IN_FLIGHT shared by the group_nodes - 1 streams that cross it, at least 2."""
+    return max(2, -(-RING_IN_FLIGHT // max(1, group_nodes - 1)))
 
 
 def ring_buffers(group_nodes: int, chunk_bytes: int) -> int:
-    """Bytes of chunk buffers one leader holds in the ring: its reader's (read ahead, in
-    flight) and every stream's."""
-    return (NBUFS + RING_IN_FLIGHT + (group_nodes - 1) * ring_stream_slots(group_nodes)) \
-        * chunk_bytes
+    """Bytes of chunk buffers one leader holds in the ring: its reader's (read ahead, and its
+    own stream's share in flight) and every other stream's (its share and one being written)."""
+    share = ring_share(group_nodes)
+    return (NBUFS + share + (group_nodes - 1) * (share + 1)) * chunk_bytes
 
 
 def auto_strategy(group_nodes: int, chunk_bytes: int) -> str:

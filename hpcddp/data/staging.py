@@ -93,8 +93,8 @@ def stage(src: str, dest: str, *, mode: str = "replicate", group_nodes: int | No
             every rank copies from the source itself) or ``"auto"`` (:func:`auto_strategy`:
             the ring for groups of up to 9 nodes, bcast beyond; docs/data.md has the numbers).
         chunk_bytes: bytes per read and per message (memory per leader: bcast 4 chunks;
-            allgather 4 x group_nodes chunks; ring 13 chunks at 2 nodes, 8 + 3 x
-            (group_nodes - 1) beyond: :func:`~hpcddp.data._staging_plan.ring_buffers`).
+            allgather 4 x group_nodes chunks; ring 21 chunks at 2 nodes, 18 to 30 up to 9:
+            :func:`~hpcddp.data._staging_plan.ring_buffers`).
         verify: shards already in ``dest``: ``"auto"`` (hash them unless a READY marker for
             this very manifest vouches for them: it does for a shard whose size, mtime, ctime
             and inode are the ones it recorded), ``"full"`` (always hash), ``"size"``.

@@ -36,6 +36,8 @@ def ranks_word(ranks) -> str:
 
 def _peer_text(d: dict) -> str:
     op, peer = d.get("op"), d.get("peer")
+    if isinstance(peer, str):      # a wait on the rank's own node (the staging ring's writer)
+        return ""
     if peer is None:
         return "from any rank" if op == "recv" else ""
     ranks = d.get("ranks") or []
@@ -153,7 +155,9 @@ def stalled_op(snaps: dict) -> tuple:
 
 
 def _call(d: dict) -> tuple:
-    return (d["op"], tuple(d.get("shape") or ()), d.get("dtype"), d.get("peer"))
+    peer = d.get("peer")
+    return (d["op"], tuple(d.get("shape") or ()), d.get("dtype"),
+            None if isinstance(peer, str) else peer)
 
 
 def analyse(snaps: dict, gone: dict, size: int) -> dict:
@@ -214,7 +218,7 @@ def _analyse_calls(snaps: dict, gone: dict, size: int) -> dict:
                 lines.append(f"rank {r} is {dead_text(gone[r])}")
         return {"lines": lines, "hints": _hints(kinds), "stall": True}
 
-    waiting, other, ages = [], {}, {}
+    waiting, other, ages, local = [], {}, {}, {}
     for m in members:
         s = snaps.get(m)
         if s is None:
@@ -228,6 +232,8 @@ def _analyse_calls(snaps: dict, gone: dict, size: int) -> dict:
             if d["seq"] == seq and d["op"] == op["op"]:
                 waiting.append(m)
                 ages[m] = d["age"]
+                if isinstance(d.get("peer"), str):
+                    local[m] = d["peer"]
                 if d.get("shape") != op.get("shape") or d.get("dtype") != op.get("dtype"):
                     kinds.add("mismatch")
                     other[m] = f"called {op['op']} #{seq} with ({op_args(d)}) instead"
@@ -282,6 +288,10 @@ def _analyse_calls(snaps: dict, gone: dict, size: int) -> dict:
     if waiting:
         lines.append(f"{ranks_word(waiting)} {'has' if len(waiting) == 1 else 'have'} waited "
                      f"{max(ages.get(w, 0.0) for w in waiting):.1f} s in {op_text(op)}")
+    for m, what in sorted(local.items()):
+        kinds.add("local")
+        lines.append(f"rank {m} waits for {what}, not for another rank: the stall is on its "
+                     f"own node (the others wait for it)")
     for text, rs in _grouped(other):
         if text.startswith("has not called"):
             if len(rs) > 1:
@@ -406,12 +416,16 @@ _HINT = {
                 "first on odd ones), or start them with isend/irecv (batch_isend_irecv) and "
                 "wait on all of them.",
     "finalize-only": "",
+    "local": "A rank waits for something on its own node, not for another rank (the staging "
+             "ring: its writer thread has not finished a write for the whole timeout): look at "
+             "that node's disk or file system (`df`, `dmesg`) and at the writer thread's stack "
+             "below.",
 }
 
 
 def _hints(kinds: set) -> list:
-    order = ("dead", "exception", "mismatch", "finalize", "python", "elsewhere", "deadlock",
-             "p2p")
+    order = ("dead", "local", "exception", "mismatch", "finalize", "python", "elsewhere",
+             "deadlock", "p2p")
     return [_HINT[k] for k in order if k in kinds]
 
 

@@ -3,7 +3,7 @@ import pytest
 
 from hpcddp.data import manifest as mf
 from hpcddp.data._staging_plan import (AUTO_RING_MAX_BYTES, RING_IN_FLIGHT, ring_buffers,
-                                      ring_stream_slots)
+                                      ring_share)
 from hpcddp.data.staging import (NBUFS, auto_strategy, chunks_of,
                                  resolve_dest, split_by_bytes)
 
@@ -44,14 +44,14 @@ def test_resolve_dest(monkeypatch):
 
 def test_auto_strategy_ring_while_its_buffers_fit():
     chunk = 16 << 20
-    assert ring_buffers(2, chunk) == (NBUFS + RING_IN_FLIGHT + 5) * chunk   # 208 MiB
+    assert ring_share(2) == RING_IN_FLIGHT and ring_share(3) == 4 and ring_share(64) == 2
+    assert ring_buffers(2, chunk) == (NBUFS + 8 + 9) * chunk      # 336 MiB
     fits = max(n for n in range(1, 100) if ring_buffers(n, chunk) <= AUTO_RING_MAX_BYTES)
     assert fits == 9                                 # the documented group size at 16 MiB
     assert auto_strategy(1, chunk) == "ring"
     assert auto_strategy(fits, chunk) == "ring"
     assert auto_strategy(fits + 1, chunk) == "bcast"
     assert auto_strategy(64, 1 << 20) == "ring"      # small chunks: big groups fit
-    assert ring_stream_slots(2) == 5 and ring_stream_slots(3) == 3 and ring_stream_slots(64) == 3
 
 
 def test_checker_crc32c_and_sha256(tmp_path):

@@ -330,6 +330,20 @@ def test_a_rank_ahead_in_a_pipeline_is_not_a_mismatch():
     assert "matched with different ones" in "\n".join(report.analyse(snaps, {}, 2)["lines"])
 
 
+def test_a_rank_waiting_on_its_own_node_is_named():
+    """Both leaders of the staging ring wait in the same round; one says its own writer
+    thread holds every buffer: the report names it, and that is no mismatch."""
+    snaps = {0: _snap(0, [_op("stage:ring", 23, 6.0)], seq=22),
+             1: _snap(1, [_op("stage:ring", 23, 6.0)], seq=22)}
+    snaps[1]["inflight"][0]["peer"] = "this node's writer thread"
+    res = report.analyse(snaps, {}, 2)
+    text = "\n".join(res["lines"])
+    assert "ranks 0,1 have waited 6.0 s in stage:ring #23" in text
+    assert "rank 1 waits for this node's writer thread, not for another rank" in text
+    assert "matched with different ones" not in text and "differ" not in text
+    assert any("its own node" in h for h in res["hints"])
+
+
 SS = """\
 0      0      10.9.0.2:40000 10.9.0.3:50000 ino:11 sk:1 cgroup:/ <->
 \t ts sack cubic wscale:7,7 rto:1600 backoff:3 rtt:0.5/0.2 segs_out:40 segs_in:12 retrans:1/9
