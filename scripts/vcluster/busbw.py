@@ -8,10 +8,12 @@
 Modes: mpi (MPI_Allreduce), ring (a chunked ring over point-to-point, RING_CHUNK bytes per
 message: the prototype of a pipelined path), hpcddp, gloo. float32 all_reduce of 1, 4 and 16 MiB, the median of 3 after one warm-up; busbw = bytes / time
 x 2(n-1)/n (the NCCL-tests convention: what each rank's link carries). gloo's store is on node1
-port 29511. Prints one line on rank 0, MB/s (1 MB = 1e6 bytes) by MiB.
+port 29511. Prints one line on rank 0, MB/s (1 MB = 1e6 bytes) by MiB, and "cores": the CPU
+seconds rank 0's process used over the wall seconds of its timed 16 MiB calls.
 """
 import json
 import os
+import resource
 import sys
 import time
 
@@ -82,12 +84,15 @@ for mib in (1, 4, 16):
     want = (np.arange(len(a), dtype=np.float32) % 7) * n + n * (n - 1) / 2
     assert np.array_equal(a, want), f"{mode}: wrong all_reduce result at {mib} MiB"
     a = np.ones((mib << 20) // 4, dtype=np.float32)
-    times = []
+    times, cpu = [], 0.0
     for _ in range(3):
         barrier()
-        t0 = time.perf_counter()
+        c0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         allreduce(a)
         times.append(time.perf_counter() - t0)
+        c1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu += c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
     out[mib] = round(a.nbytes / sorted(times)[1] * 2 * (n - 1) / n / 1e6, 1)
+    out["cores"] = round(cpu / sum(times), 2)     # this process's cores used while it timed
 if rank == 0:
     print(f"{mode} busbw MB/s by MiB: {json.dumps(out)}", flush=True)
