@@ -10,7 +10,10 @@ coll/han split the work by node instead, as here (N nodes of L ranks, S bytes)::
     1. reduce_scatter inside the node (MPI on the node's communicator: shared memory):
        local rank l holds the node's sum of slice l (S / L)
     2. all_reduce slice l with local rank l of every other node (the "cross" communicator
-       of local rank l): L streams at once, each node's link carries 2(N-1)/N x S in all
+       of local rank l): L streams at once, each node's link carries 2(N-1)/N x S in all.
+       For a sum of the dtypes numpy adds, hpcddp's own ring over point-to-point
+       (:mod:`hpcddp.collectives._ring`), as for one rank per node: Open MPI's Allreduce
+       over TCP fills the link far less well (docs/benchmarks.md)
     3. all_gather inside the node (shared memory): every rank holds the whole sum
 
 Every element is reduced in the same order on every rank (step 1's, then step 2's), so all
@@ -35,7 +38,7 @@ import weakref
 import numpy as np
 
 from hpcddp import settings
-from hpcddp.collectives import _node
+from hpcddp.collectives import _node, _ring
 from hpcddp.comm._mpi import MPI
 from hpcddp.diagnostics import mismatch as _mismatch
 
@@ -71,6 +74,8 @@ class Hier:
         self.comm = comm
         self.node = node          # mpi4py: the group's ranks on my node (rank: local index)
         self.cross = cross        # mpi4py: my counterparts on every node (rank: node index)
+        # the ring's private duplicate of cross (its messages never meet cross's collectives)
+        self.cross_ring = cross.Dup() if _ring.MODE != "0" else None
         self.where = where        # group rank -> (node index, local index)
         n_nodes = cross.Get_size()
         # blocks in (local index, node index) order -> rank order, and back
@@ -102,6 +107,8 @@ class Hier:
         if MODE != "force" and not h.faster_than_mpi():
             node.Free()
             cross.Free()
+            if h.cross_ring is not None:
+                h.cross_ring.Free()
             return None
         return h
 
@@ -126,7 +133,10 @@ class Hier:
         part = np.empty_like(mine)
         node.Reduce_scatter(arr, part, counts, op)
         # 2. my slice of everyone's sum, with my counterparts on the other nodes
-        self.cross.Allreduce(MPI.IN_PLACE, part, op)
+        if self.cross_ring is not None and op == MPI.SUM and part.dtype in _ring.ADDABLE:
+            _ring.all_reduce(self.cross_ring, part)
+        else:
+            self.cross.Allreduce(MPI.IN_PLACE, part, op)
         # 3. every slice from the node's ranks
         mine[...] = part
         node.Allgatherv(MPI.IN_PLACE, [arr, (counts, bounds[:-1])])
