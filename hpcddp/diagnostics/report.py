@@ -245,7 +245,8 @@ def _analyse_calls(snaps: dict, gone: dict, size: int) -> dict:
                 # a ring or a tree lets a rank finish its part of a call before the others
                 other[m] = (f"has finished its part of #{seq} and waits in the next call, "
                             f"{op_text(d)}")
-            elif d["seq"] > seq and d["op"] == op["op"] and _ran_ahead(s, key, op, d["seq"]):
+            elif (d["seq"] > seq and d["op"] == op["op"] and op["op"] in PIPELINED_OPS
+                  and _ran_ahead(s, key, op, d["seq"])):
                 other[m] = (f"has finished its part of #{seq} to #{d['seq'] - 1} and waits in "
                             f"{op_text(d)}: a pipeline (the staging ring) lets a rank run "
                             f"ahead of the slowest")
@@ -317,6 +318,11 @@ def _finished_same(snap: dict, key, op: dict) -> bool:
            if d and d["seq"] == op["seq"] and d.get("done_ago") is not None
            and not d.get("abandoned")]
     return bool(rec) and all(rec[0].get(k) == op.get(k) for k in ("op", "shape", "dtype"))
+
+
+# ops whose ranks legitimately run several calls apart (each call is a round of a pipeline of
+# point-to-point messages, not a collective every rank completes together)
+PIPELINED_OPS = frozenset({"stage:ring"})
 
 
 def _ran_ahead(snap: dict, key, op: dict, upto: int) -> bool:

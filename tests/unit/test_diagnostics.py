@@ -328,6 +328,12 @@ def test_a_rank_ahead_in_a_pipeline_is_not_a_mismatch():
     # another op among those calls stays a mismatch
     snaps[0]["groups"][0]["recent"][2] = _op("stage:agree", 22, 6.0, done=5.5)
     assert "matched with different ones" in "\n".join(report.analyse(snaps, {}, 2)["lines"])
+    # a collective every rank completes together cannot legitimately run ahead: a rank that
+    # completed #20-#24 of all_reduce while another waits in #20 had them matched elsewhere
+    coll = {0: _snap(0, [_op("all_reduce", 25, 5.0)], seq=24),
+            1: _snap(1, [_op("all_reduce", 20, 6.1)], seq=19)}
+    coll[0]["groups"][0]["recent"] = [_op("all_reduce", q, 6.0, done=5.5) for q in range(20, 25)]
+    assert "matched with different ones" in "\n".join(report.analyse(coll, {}, 2)["lines"])
 
 
 def test_a_rank_waiting_on_its_own_node_is_named():
