@@ -173,7 +173,9 @@ def test_lost_rank_outside_elastic_mode_ends_the_job():
     took = time.monotonic() - t0
     out = res.stdout + res.stderr
     assert res.returncode != 0
-    assert "rank 1" in out and "signal 9" in out, out[-3000:]
+    # two notices race, either names the rank: mpirun's ("rank 1 ... exited on signal 9") and
+    # hpcddp's watchdog, which sees a same-host peer's process gone ("rank 1 died (process gone")
+    assert ("rank 1" in out and "signal 9" in out) or "rank 1 died (process gone" in out, out[-3000:]
     assert took < 60, f"the job took {took:.0f} s to end"
 
 

@@ -69,7 +69,9 @@ def _ended_cleanly(job):
 
 def _names_lost(out, target, what, pid):
     if what == "rank":
-        assert f"process rank {target} " in out, out[-3000:]      # mpirun's line
+        # mpirun's line, or hpcddp's watchdog's when it sees the same-host process gone first
+        assert (f"process rank {target} " in out
+                or f"rank {target} died (process gone" in out), out[-3000:]
     else:
         # torch says "(pid N) is killed by signal" or "(pid(s) N) exited unexpectedly"
         assert re.search(rf"\[rank{target}\] .*DataLoader worker \(pid(\(s\))? {pid}\)", out), \
