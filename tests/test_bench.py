@@ -105,17 +105,26 @@ def test_tables_and_targets():
 
 
 def test_setup_says_what_each_node_path_race_chose():
-    """A job where MPI won a node-local race runs at MPI's speed: its setup lines must say so."""
+    """A job where MPI won a node-local race runs at MPI's speed: its setup lines must say so,
+    and from which size each path served each op."""
     r = report.summarize(_fake_comm())
     r["node_paths"] = [
+        {"path": "shm arena", "op": "all_reduce", "group": "WORLD", "ranks": 2,
+         "start_bytes": 4 << 20, "cost_s": 0.031,
+         "steps": [[1 << 20, 0.31e-3, 0.25e-3], [2 << 20, 0.46e-3, 0.44e-3],
+                   [4 << 20, 1.0e-3, 1.2e-3], [8 << 20, 2.6e-3, 3.9e-3]]},
+        {"path": "cma", "op": "broadcast", "group": "WORLD", "ranks": 2, "start_bytes": None,
+         "cost_s": 0.052, "steps": [[16 << 20, 4.0e-3, 3.0e-3]]},
+        # a result saved before the per-size races
         {"path": "shm arena (all_reduce 8 MiB)", "group": "WORLD", "ranks": 2,
-         "ours_s": 4.22e-3, "mpi_s": 2.21e-3, "kept": False},
-        {"path": "cma (broadcast 24 MiB)", "group": "WORLD", "ranks": 2,
-         "ours_s": 1.33e-3, "mpi_s": 1.83e-3, "kept": True}]
+         "ours_s": 4.22e-3, "mpi_s": 2.21e-3, "kept": False}]
     lines = report.setup_lines(r)
+    assert "node path shm arena on WORLD (2 ranks), all_reduce: from 4 MiB; its time / MPI's " \
+           "at 1 MiB 1.24x, 2 MiB 1.05x, 4 MiB 0.83x, 8 MiB 0.67x; race 31 ms" in lines, lines
+    assert "node path cma on WORLD (2 ranks), broadcast: never (MPI faster at every size); " \
+           "its time / MPI's at 16 MiB 1.33x; race 52 ms" in lines, lines
     assert "node path shm arena (all_reduce 8 MiB) on WORLD (2 ranks): 4.22 ms vs MPI 2.21 ms " \
            "-> MPI kept" in lines
-    assert any(x.startswith("node path cma") and x.endswith("-> kept") for x in lines)
     del r["node_paths"]
     assert not any(x.startswith("node path") for x in report.setup_lines(r))
 

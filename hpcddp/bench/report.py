@@ -188,10 +188,22 @@ def setup_lines(result: dict) -> list[str]:
                      f"{load.get('other_processes_cpu_pct')} % of the machine's CPU during the "
                      f"run (steal {load.get('steal_pct')} %), {load.get('wall_s')} s")
     for d in result.get("node_paths", []):  # hpcddp.collectives._node's races, rank 0's view
-        lines.append(f"node path {d['path']} on {d['group']} ({d['ranks']} ranks): "
-                     f"{d['ours_s'] * 1e3:.2f} ms vs MPI {d['mpi_s'] * 1e3:.2f} ms -> "
-                     f"{'kept' if d['kept'] else 'MPI kept'}")
+        lines.append(node_path_line(d))
     return lines
+
+
+def node_path_line(d: dict) -> str:
+    """One start-up race's decision (_node.Crossover.as_dict), in words."""
+    head = f"node path {d['path']} on {d['group']} ({d['ranks']} ranks)"
+    if "steps" not in d:       # results saved before per-size races: one size, kept or not
+        return (f"{head}: {d['ours_s'] * 1e3:.2f} ms vs MPI {d['mpi_s'] * 1e3:.2f} ms -> "
+                f"{'kept' if d['kept'] else 'MPI kept'}")
+    from hpcddp.collectives._node import _mib
+    steps = ", ".join(f"{_mib(b)} {o / m:.2f}x" for b, o, m in d["steps"])
+    start = d["start_bytes"]
+    verdict = f"from {_mib(start)}" if start is not None else "never (MPI faster at every size)"
+    return (f"{head}, {d['op']}: {verdict}; its time / MPI's at {steps}; race "
+            f"{d['cost_s'] * 1e3:.0f} ms")
 
 
 # -- targets ----------------------------------------------------------------------------------

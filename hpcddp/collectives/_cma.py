@@ -25,10 +25,10 @@ into each other) all see it in the same table and all raise before any copy.
 
 A group gets the path on its first large broadcast (collective): its ranks must share one
 node, each must be able to read a neighbour's memory (checked against a random token, so a
-process id from another PID namespace cannot pass), and a race of PROBE_BYTES broadcasts
-against MPI's Bcast (best of 3, the slowest rank's time) must find it faster.
-``HPCDDP_CMA=0`` turns it off, ``force`` skips the race (tests), ``auto`` or ``1`` is the
-default; set it alike on every rank.
+process id from another PID namespace cannot pass); a race against MPI's Bcast at sizes from
+256 KiB up (_node.crossover: best of 3, the slowest rank's time) decides from which size the
+path serves. ``HPCDDP_CMA=0`` turns it off, ``force`` skips the race and serves from MIN_BYTES
+(tests), ``auto`` or ``1`` is the default; set it alike on every rank.
 """
 from __future__ import annotations
 
@@ -43,13 +43,9 @@ from hpcddp import settings
 from hpcddp.collectives import _node
 from hpcddp.comm._mpi import MPI
 
-# below 1 MiB this path's fixed cost (an Allgather and an Allreduce) is as large as what the
-# split copy saves (docs/benchmarks.md, "Cross-memory attach")
-MIN_BYTES = 1 << 20
-# The race's size: the root's and the receivers' buffers together overflow the last-level
-# cache, as a real large broadcast's do; in cache MPI's one copy ties with two half copies
-# and would decide the race on a case that does not matter.
-PROBE_BYTES = 24 << 20
+# The smallest size the race tries: below it this path's fixed cost (an Allgather and an
+# Allreduce) is larger than what the split copy saves (docs/benchmarks.md, "Cross-memory attach")
+MIN_BYTES = _node.LADDER[0]
 ENV_MODE = "HPCDDP_CMA"
 MODE = settings.get().cma
 ALIGN = 64           # parts start on cache lines: no line is written by two copies at once
@@ -98,12 +94,18 @@ _peers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicato
 def usable(comm, nbytes: int) -> bool:
     """Whether a broadcast of NBYTES on COMM should take this path (the same answer on every
     rank: a collective's arguments agree across ranks)."""
-    return MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and peers(comm) is not None
+    if not (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1):
+        return False
+    p = peers(comm)
+    if p is None:
+        return False
+    start = p.starts.start("broadcast")
+    return start is not None and nbytes >= start
 
 
 def peers(comm):
     """COMM's Peers, made on first use (collective: every rank of COMM), or None when the path
-    is not open to it (several nodes, the kernel refuses, or MPI measured faster)."""
+    is not open to it (several nodes, or the kernel refuses)."""
     return _node.per_group(_peers, comm, Peers.make)
 
 
@@ -114,6 +116,7 @@ class Peers:
         self.mine = np.zeros(3, np.int64)                 # (address, bytes, call hash) of this rank
         self.table = np.zeros((comm.size, 3), np.int64)   # ... of every rank
         self.ok = np.ones(1, np.int32)
+        self.starts = _node.Starts("cma", comm, self._race_pair, MODE == "force", MIN_BYTES)
 
     @classmethod
     def make(cls, comm):
@@ -132,17 +135,13 @@ class Peers:
         # every rank's token stays alive until all have read theirs: this is the end of it
         if not mpi.allreduce(bool(ok), op=MPI.LAND):
             return None
-        p = cls(comm, list(pids))
-        if MODE != "force" and not p.faster_than_mpi():
-            return None
-        return p
+        return cls(comm, list(pids))
 
-    def faster_than_mpi(self) -> bool:
-        """Race this path against MPI's Bcast (collective; the same answer on every rank)."""
-        arr = np.ones(PROBE_BYTES, np.uint8)  # touched pages (calloc zeros share one page)
+    def _race_pair(self, op: str, nbytes: int):
+        """This path's broadcast and MPI's of NBYTES (the start-up race)."""
+        arr = np.ones(nbytes, np.uint8)  # touched pages (calloc zeros share one page)
         mpi = self.comm.mpi
-        return _node.race("cma (broadcast 24 MiB)", self.comm, lambda: self.broadcast(arr, 0),
-                          lambda: mpi.Bcast(arr, root=0))
+        return lambda: self.broadcast(arr, 0), lambda: mpi.Bcast(arr, root=0)
 
     def broadcast(self, arr: np.ndarray, root: int, check=None) -> bool:
         """ARR (contiguous, this rank's tensor's memory) from group rank ROOT to every rank.

@@ -27,9 +27,11 @@ reduce_scatter_tensor, all_gather_into_tensor):
 - broadcast: the root's counterparts receive it across nodes, then each node's copy is
   broadcast inside the node. Used for groups that span several nodes with the same number
 (>= 2) of ranks on each, from MIN_BYTES, for the reduce ops MPI has (AVG and PREMUL_SUM run
-as SUM, scaled around it as on every path). ``HPCDDP_HIER=0`` turns it off, ``force`` skips
-the start-up race against MPI's own Allreduce, ``auto`` (the default) keeps it only where
-that race finds it faster (docs/multinode-testing.md has the measurements).
+as SUM, scaled around it as on every path), each op from the size where a race against
+MPI's own op, on the op's first call from MIN_BYTES, finds it faster (_node.crossover, up to
+8 MiB: every size is a round trip across the network). ``HPCDDP_HIER=0`` turns it off,
+``force`` skips the race and serves from MIN_BYTES, ``auto`` (the default) races
+(docs/multinode-testing.md has the measurements).
 """
 from __future__ import annotations
 
@@ -42,17 +44,26 @@ from hpcddp.collectives import _node, _ring
 from hpcddp.comm._mpi import MPI
 from hpcddp.diagnostics import mismatch as _mismatch
 
-MIN_BYTES = 1 << 20
-PROBE_BYTES = 8 << 20
+MIN_BYTES = _node.LADDER[0]
+LADDER = tuple(n for n in _node.LADDER if n <= 8 << 20)
+# the ops of the table served here -> the op its race measures
+RACED = {"all_reduce": "all_reduce", "broadcast": "broadcast",
+         "reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather"}
 MODE = settings.get().hier
 
 _groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicator -> Hier|None
 
 
-def usable(comm, nbytes: int) -> bool:
-    """Whether an all_reduce of NBYTES on COMM should take this path (the same answer on every
-    rank of COMM)."""
-    return MODE != "0" and nbytes >= MIN_BYTES and comm.size > 3 and hier(comm) is not None
+def usable(comm, nbytes: int, op: str = "all_reduce") -> bool:
+    """Whether OP (a key of RACED) of NBYTES on COMM should take this path (the same answer on
+    every rank of COMM)."""
+    if not (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 3):
+        return False
+    h = hier(comm)
+    if h is None:
+        return False
+    start = h.starts.start(RACED[op])
+    return start is not None and nbytes >= start
 
 
 def agree(comm, entry, red=None) -> None:
@@ -65,7 +76,7 @@ def agree(comm, entry, red=None) -> None:
 
 def hier(comm):
     """COMM's node layout, made on first use (collective), or None where the group is on one
-    node, its nodes hold different numbers of its ranks, or MPI measured faster."""
+    node or its nodes hold different numbers of its ranks."""
     return _node.per_group(_groups, comm, Hier.make)
 
 
@@ -81,6 +92,8 @@ class Hier:
         # blocks in (local index, node index) order -> rank order, and back
         self.to_ranks = np.array([l * n_nodes + k for k, l in where])
         self.from_ranks = np.argsort(self.to_ranks)
+        self.starts = _node.Starts("hier", comm, self._race_pair, MODE == "force", MIN_BYTES,
+                                   LADDER)
 
     @classmethod
     def make(cls, comm):
@@ -103,22 +116,22 @@ class Hier:
         k, l = where[comm.rank]
         node = mpi.Split(color=k, key=comm.rank)
         cross = mpi.Split(color=l, key=k)
-        h = cls(comm, node, cross, where)
-        if MODE != "force" and not h.faster_than_mpi():
-            node.Free()
-            cross.Free()
-            if h.cross_ring is not None:
-                h.cross_ring.Free()
-            return None
-        return h
+        return cls(comm, node, cross, where)
 
-    def faster_than_mpi(self) -> bool:
-        """Race this path against MPI's Allreduce (collective; the same answer on every rank)."""
-        arr = np.ones(PROBE_BYTES // 4, np.float32)
-        mpi = self.comm.mpi
-        return _node.race("hier (all_reduce 8 MiB)", self.comm,
-                          lambda: self.all_reduce(arr, MPI.SUM),
-                          lambda: mpi.Allreduce(MPI.IN_PLACE, arr, MPI.SUM))
+    def _race_pair(self, op: str, nbytes: int):
+        """This path's OP and MPI's on NBYTES of scratch float32 (the start-up race)."""
+        mpi, n = self.comm.mpi, self.comm.size
+        arr = np.full(nbytes // 4 // n * n, 0.0, np.float32)   # touched: no page faults timed
+        if op == "all_reduce":
+            return (lambda: self.all_reduce(arr, MPI.SUM),
+                    lambda: mpi.Allreduce(MPI.IN_PLACE, arr, MPI.SUM))
+        if op == "broadcast":
+            return lambda: self.broadcast(arr, 0), lambda: mpi.Bcast(arr, root=0)
+        out = np.full(arr.size // n, 0.0, np.float32)
+        if op == "reduce_scatter":
+            return (lambda: self.reduce_scatter(arr, out, MPI.SUM),
+                    lambda: mpi.Reduce_scatter_block(arr, out, MPI.SUM))
+        return lambda: self.all_gather(out, arr), lambda: mpi.Allgather(out, arr)
 
     def all_reduce(self, arr: np.ndarray, op) -> None:
         """Reduce ARR (a contiguous 1-D view of the tensor) with the MPI op OP, in place."""

@@ -1,15 +1,17 @@
 """What hpcddp's node-local fast paths share: the /dev/shm arena (_shm) and cross-memory
 attach (_cma) are used only by groups whose ranks all share one node, each behind its own
-switch, and each only where a race against MPI says it is faster."""
+switch, and each only from the size where a race against MPI says it is faster, per op."""
 from __future__ import annotations
 
 import math
 import time
 
+import numpy as np
+
 from hpcddp.comm._mpi import MPI
 
-# What each group's race decided, in order: {"path", "group", "ours_s", "mpi_s", "kept"}.
-# Benchmarks report it (a job where MPI won runs at MPI's speed: that must show).
+# What each race decided, in order (Crossover.as_dict). Benchmarks report it (a job where MPI
+# won runs at MPI's speed: that must show).
 decisions: list[dict] = []
 
 
@@ -32,10 +34,46 @@ def one_node(comm) -> bool:
     return same
 
 
-def race(path: str, comm, ours, mpis, tries: int = 3) -> bool:
-    """Whether OURS beat MPIS: the best of TRIES interleaved runs of each, as the slowest rank
-    saw it (collective: every rank gets the same times, so decides alike). Kept in
-    ``decisions`` under PATH."""
+def _mib(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+class Crossover:
+    """Where a node-local path beats MPI for one op on one group, measured at start-up: a
+    race at the sizes of LADDER, smallest first (:func:`crossover`). The path serves the op
+    from ``start`` bytes (None: MPI won at every size raced); ``steps`` holds each size's
+    (bytes, this path's s, MPI's s), the slowest rank's best of TRIES; ``cost_s`` what the
+    race took."""
+    def __init__(self, path: str, op: str, comm, start, steps, cost_s: float):
+        self.path, self.op, self.group, self.ranks = path, op, comm.name, comm.size
+        self.start, self.steps, self.cost_s = start, steps, cost_s
+
+    def why(self) -> str:
+        """The sizes around the decision, in words (hpcddp info, the bench header)."""
+        def at(step):
+            nbytes, ours, mpi = step
+            return f"at {_mib(nbytes)}: this path {ours * 1e3:.2f} ms, MPI {mpi * 1e3:.2f} ms"
+        lost = [s for s in self.steps if s[1] >= s[2]]
+        won = [s for s in self.steps if s[0] >= (self.start or 1 << 62)]
+        parts = ([f"MPI faster {at(lost[-1])}"] if lost else []) + \
+                ([f"faster {at(won[0])}"] if won else [])
+        return f"{'; '.join(parts)}; race {self.cost_s * 1e3:.0f} ms"
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "op": self.op, "group": self.group, "ranks": self.ranks,
+                "start_bytes": self.start, "steps": [list(s) for s in self.steps],
+                "cost_s": self.cost_s}
+
+
+# The sizes a race tries, a factor of 2 apart. Where a path overtakes MPI differs by machine,
+# op and ranks per node (docs/benchmarks.md, "Where each path starts"); a fixed size is wrong
+# on some machine for the calls between the fixed size and the real crossover.
+LADDER = tuple((256 << 10) << i for i in range(7))           # 256 KiB .. 16 MiB
+TRIES = 3
+
+
+def best_times(comm, ours, mpis, tries: int = TRIES) -> tuple:
+    """This rank's best of TRIES interleaved runs of OURS and of MPIS (seconds); collective."""
     best = [math.inf, math.inf]
     for _ in range(tries):
         for i, op in enumerate((ours, mpis)):
@@ -43,7 +81,52 @@ def race(path: str, comm, ours, mpis, tries: int = 3) -> bool:
             t = time.perf_counter()
             op()
             best[i] = min(best[i], time.perf_counter() - t)
-    ours_s, mpi_s = (comm.mpi.allreduce(t, op=MPI.MAX) for t in best)
-    decisions.append({"path": path, "group": comm.name, "ranks": comm.size,
-                      "ours_s": ours_s, "mpi_s": mpi_s, "kept": ours_s < mpi_s})
-    return ours_s < mpi_s
+    return tuple(best)
+
+
+def crossover(path: str, op: str, comm, pair, ladder=LADDER) -> Crossover:
+    """Race PATH against MPI for OP on COMM up LADDER: PAIR(nbytes) gives the two calls on
+    scratch buffers of that size. The path serves OP from the first size where it won there
+    and at the next size up (the race stops there: larger calls only favour it more); won
+    only at the last size, from there; else never. Times are the slowest rank's, so every
+    rank decides alike (collective). Kept in ``decisions``."""
+    t0 = time.perf_counter()
+    steps, won_at, start = [], None, None
+    for nbytes in ladder:
+        ours, mpis = pair(nbytes)
+        times = np.array(best_times(comm, ours, mpis))
+        comm.mpi.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+        steps.append((nbytes, float(times[0]), float(times[1])))
+        if times[0] < times[1]:
+            if won_at is not None:
+                start = won_at
+                break
+            won_at = nbytes
+        else:
+            won_at = None
+    else:
+        start = won_at
+    cost = comm.mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    found = Crossover(path, op, comm, start, steps, cost)
+    decisions.append(found.as_dict())
+    return found
+
+
+class Starts:
+    """A path's crossover per op on its group, raced on the op's first call that could take
+    the path (collective: every rank of the group makes that call); FORCED: the mode that
+    skips the races (the path serves every op from FLOOR)."""
+    def __init__(self, path: str, comm, pair, forced: bool, floor: int, ladder=LADDER):
+        self.path, self.comm, self.pair, self.forced = path, comm, pair, forced
+        self.floor, self.ladder = floor, ladder
+        self.found: dict = {}                # op -> Crossover
+
+    def start(self, op: str):
+        """The size from which the path serves OP (None: never)."""
+        if self.forced:
+            return self.floor
+        found = self.found.get(op)
+        if found is None:
+            found = self.found[op] = crossover(self.path, op, self.comm,
+                                               lambda nbytes: self.pair(op, nbytes), self.ladder)
+        return found.start

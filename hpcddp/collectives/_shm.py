@@ -29,11 +29,14 @@ a SIGBUS on first touch). Any failure on any rank -> every rank keeps using MPI 
 group. Only groups whose ranks all share one node use it, and only for the SUM family (SUM,
 AVG, PREMUL_SUM) on non-bool dtypes of at least MIN_BYTES.
 
-Measured, not assumed: a new arena races MPI's Allreduce on a PROBE_BYTES scratch buffer
-(best of 3 each, the slowest rank's time; once per group) and is kept only if it wins. Some
-virtual machines start a job in a state where writes into the shared pages are several times
-slower (docs/benchmarks.md); the probe sends those jobs to MPI. ``HPCDDP_SHM_ALLREDUCE=0`` turns the arena off, ``force`` skips the probe (tests),
-``auto`` or ``1`` is the default; set it alike on every rank.
+Measured, not assumed: on an op's first call of at least MIN_BYTES, the group races the
+arena against MPI's own op (Allreduce, Reduce_scatter_block) at sizes from 256 KiB up
+(_node.crossover: best of 3 each, the slowest rank's time) and the arena serves that op from
+the size where it starts to win. Machines differ (cache sizes, MPI's shared-memory transport),
+and some virtual machines start a job in a state where writes into the shared pages are
+several times slower (docs/benchmarks.md): the race finds the crossover of the job at hand.
+``HPCDDP_SHM_ALLREDUCE=0`` turns the arena off, ``force`` skips the race and serves from
+MIN_BYTES (tests), ``auto`` or ``1`` is the default; set it alike on every rank.
 """
 from __future__ import annotations
 
@@ -49,30 +52,41 @@ from hpcddp.collectives import _node
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.ops import RedOpType
 
-# Below this MPI's own algorithm is as fast (where the two cross: docs/benchmarks.md)
-MIN_BYTES = 1 << 20
+# The smallest size the race tries: below it MPI's own algorithm always wins here
+MIN_BYTES = _node.LADDER[0]
 ROW_BYTES = 2 << 20       # per rank and chunk: slices of ROW_BYTES / n stay in L2 while reduced
 ARENA_MAX = 32 << 20      # the whole arena, n x row, whatever the ranks per node
 SHM_DIR = "/dev/shm"
 KINDS = (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
 
-PROBE_BYTES = 8 << 20
 ENV_MODE = "HPCDDP_SHM_ALLREDUCE"
 MODE = settings.get().shm_allreduce
 
 _arenas: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicator -> Arena|None
 
 
-def usable(comm, nbytes: int, dtype, kind) -> bool:
-    """Whether all_reduce / reduce_scatter (NBYTES: the whole input) should take this path
-    (the same answer on every rank of COMM: the arguments of a collective agree across ranks)."""
-    return (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and kind in KINDS
-            and dtype is not torch.bool and arena(comm) is not None)
+# the ops of the table served by the arena -> the op its race measures
+RACED = {"all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter",
+         "reduce_scatter_tensor": "reduce_scatter"}
+
+
+def usable(comm, nbytes: int, dtype, kind, op: str = "all_reduce") -> bool:
+    """Whether OP (all_reduce or a reduce_scatter; NBYTES: the whole input) should take this
+    path (the same answer on every rank of COMM: the arguments of a collective agree across
+    ranks)."""
+    if not (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and kind in KINDS
+            and dtype is not torch.bool):
+        return False
+    a = arena(comm)
+    if a is None:
+        return False
+    start = a.starts.start(RACED[op])
+    return start is not None and nbytes >= start
 
 
 def arena(comm):
     """COMM's arena, made on first use (collective: every rank of COMM), or None if it cannot
-    have one (ranks on several nodes, no /dev/shm, no room) or MPI measured faster."""
+    have one (ranks on several nodes, no /dev/shm, no room)."""
     return _node.per_group(_arenas, comm, Arena.make)
 
 
@@ -89,6 +103,7 @@ class Arena:
         n = comm.size
         words = memoryview(mem)[n * n * slot:].cast("q")     # int64s: plain Python indexing
         self.calls = words[::CALL_LINE // 8]
+        self.starts = _node.Starts("shm arena", comm, self._race_pair, MODE == "force", MIN_BYTES)
 
     def _agreed(self, check) -> bool:
         """Called right after the first barrier of a call, for which every rank wrote the hash
@@ -98,14 +113,19 @@ class Arena:
         last barrier, which every rank passes only after this read)."""
         return self.calls.tolist().count(check.value) == self.comm.size
 
-    def faster_than_mpi(self) -> bool:
-        """Race the arena against MPI's Allreduce (collective; the same answer on every rank)."""
-        mpi = self.comm.mpi
-        scratch = torch.zeros(PROBE_BYTES // 4)
-        arr = scratch.numpy()
-        return _node.race("shm arena (all_reduce 8 MiB)", self.comm,
-                          lambda: self.all_reduce(scratch),
-                          lambda: mpi.Allreduce(MPI.IN_PLACE, arr, MPI.SUM))
+    def _race_pair(self, op: str, nbytes: int):
+        """The arena's call and MPI's for OP on NBYTES of scratch float32 (the start-up race)."""
+        mpi, n = self.comm.mpi, self.comm.size
+        count = nbytes // 4 // n * n
+        x = torch.empty(count).fill_(0.0)     # touched: a page fault is not the op's cost
+        if op == "all_reduce":
+            arr = x.numpy()
+            return (lambda: self.all_reduce(x),
+                    lambda: mpi.Allreduce(MPI.IN_PLACE, arr, MPI.SUM))
+        out = torch.empty(count // n).fill_(0.0)
+        blocks, arr, out_arr = list(x.chunk(n)), x.numpy(), out.numpy()
+        return (lambda: self.reduce_scatter(blocks, out),
+                lambda: mpi.Reduce_scatter_block(arr, out_arr, MPI.SUM))
 
     @classmethod
     def make(cls, comm):
@@ -146,12 +166,7 @@ class Arena:
             if mem is not None:
                 mem.close()
             return None
-        a = cls(comm, mem, slot)
-        if MODE != "force" and not a.faster_than_mpi():
-            a.bytes = a.calls = None    # the mapping cannot close while a view exports it
-            mem.close()
-            return None
-        return a
+        return cls(comm, mem, slot)
 
     def all_reduce(self, flat: torch.Tensor, check=None) -> bool:
         """SUM FLAT (1-D, contiguous, CPU) in place across the group. CHECK: the call's hash

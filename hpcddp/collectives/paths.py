@@ -60,21 +60,21 @@ def pair(fn: str, output, input, group, async_op: bool, out_arg: str = "output",
 class Path:
     name: str
     when: str                                     # what the call must be for this path
-    state: Callable[[object], str] | None = None  # group -> "open" or "closed (why)"
+    state: Callable[[object, str], str] | None = None  # group, op -> "open ..." or "closed (why)"
     min_bytes: int = 0                            # smaller calls skip it
-    applies: Callable[[Call], bool] | None = None  # the rest of the condition (None: always)
+    # the rest of the condition, given the call and its op (None: always)
+    applies: Callable[[Call, str], bool] | None = None
     before_call: bool = False                     # a plan hit: tried before validation
 
 
-def _mib(n: int) -> str:
-    return f"{n >> 20} MiB"
+_mib = _node._mib
 
 
-def _plan_hit(comm) -> str:
+def _plan_hit(comm, op) -> str:
     return f"open ({_plans.KIND})"
 
 
-def _cuda_aware_state(comm) -> str:
+def _cuda_aware_state(comm, op) -> str:
     from hpcddp.comm.cuda import cuda_awareness
     try:
         found = cuda_awareness()
@@ -84,34 +84,43 @@ def _cuda_aware_state(comm) -> str:
         f"closed (this MPI is not known to be CUDA-aware: {found.status()})"
 
 
-def _node_local(mode: str, variable: str, opened, raced: str, unopened: str):
-    """The state of a node-local path: its switch (MODE of VARIABLE), then whether OPENED(comm)
-    set it up for the group; closed, the start-up race it lost (RACED: its name in
-    _node.decisions) or UNOPENED, the other reasons."""
-    def state(comm) -> str:
+def _node_local(mode: str, variable: str, opened, unopened: str, raced: dict | None = None):
+    """The state of a node-local path for an op: its switch (MODE of VARIABLE), then whether
+    OPENED(comm) set it up for the group (closed: UNOPENED), then from which size it serves
+    the op (RACED: the table's ops -> the op its start-up race measures; the race runs here
+    if the op has not had it)."""
+    def state(comm, op) -> str:
         if getattr(settings.get(), mode) == "0":
             return f"closed ({variable}=0)"
         if comm.size < 2:
             return "closed (one rank)"
-        if opened(comm) is not None:
+        path = opened(comm)
+        if path is None:
+            return f"closed ({unopened})"
+        if raced is None:
             return "open"
-        for d in reversed(_node.decisions):
-            if d["path"].startswith(raced) and not d["kept"]:
-                return (f"closed (MPI won the start-up race: {d['mpi_s'] * 1e3:.1f} ms, this "
-                        f"path {d['ours_s'] * 1e3:.1f} ms)")
-        return f"closed ({unopened})"
+        starts = path.starts
+        start = starts.start(raced[op])
+        if starts.forced:
+            return f"open from {_mib(start)} ({variable}=force: no race)"
+        found = starts.found[raced[op]]
+        if start is None:
+            return (f"closed (MPI faster at every size raced, up to "
+                    f"{_mib(found.steps[-1][0])}: {found.why()})")
+        return f"open from {_mib(start)} ({found.why()})"
     return state
 
 
 _arena = _node_local("shm_allreduce", "HPCDDP_SHM_ALLREDUCE", lambda c: _shm.arena(c),
-                     "shm arena", "ranks on several nodes, or no room in /dev/shm")
-_cma_state = _node_local("cma", "HPCDDP_CMA", lambda c: _cma.peers(c), "cma",
-                         "ranks on several nodes, or the kernel refuses")
-_hier_state = _node_local("hier", "HPCDDP_HIER", lambda c: _hier.hier(c), "hier",
-                          "one node, or nodes with different numbers of the group's ranks")
+                     "ranks on several nodes, or no room in /dev/shm", _shm.RACED)
+_cma_state = _node_local("cma", "HPCDDP_CMA", lambda c: _cma.peers(c),
+                         "ranks on several nodes, or the kernel refuses", {"broadcast": "broadcast"})
+_hier_state = _node_local("hier", "HPCDDP_HIER", lambda c: _hier.hier(c),
+                          "one node, or nodes with different numbers of the group's ranks",
+                          _hier.RACED)
 
 
-def _p2p_lists(comm) -> str:
+def _p2p_lists(comm, op) -> str:
     limit = _lists._MAX_RANKS
     return "open" if 1 < comm.size <= limit else \
         f"closed ({comm.size} ranks; HPCDDP_LIST_P2P_MAX_RANKS={limit})"
@@ -122,29 +131,29 @@ def _p2p_lists(comm) -> str:
 # rank of the group (a collective's arguments agree), and may set up the path on first use
 # (collective: every rank asks at the same call).
 
-def _arena_applies(c: Call) -> bool:
-    return _shm.usable(c.comm, c.nbytes, c.dtype, c.kind)
+def _arena_applies(c: Call, op: str) -> bool:
+    return _shm.usable(c.comm, c.nbytes, c.dtype, c.kind, op)
 
 
-def _hier_applies(c: Call) -> bool:     # pieces over MPI's count limit take the MPI row
-    return _hier.usable(c.comm, c.nbytes) and not _large.too_big(c.arr)
+def _hier_applies(c: Call, op: str) -> bool:     # pieces over MPI's count limit take the MPI row
+    return _hier.usable(c.comm, c.nbytes, op) and not _large.too_big(c.arr)
 
 
-def _ring_applies(c: Call) -> bool:    # pieces over MPI's count limit take the MPI row
+def _ring_applies(c: Call, op: str) -> bool:    # pieces over MPI's count limit take the MPI row
     return _ring.usable(c.comm, c.nbytes, c.arr, c.mop) and not _large.too_big(c.arr)
 
 
-def _cma_applies(c: Call) -> bool:
+def _cma_applies(c: Call, op: str) -> bool:
     return _cma.usable(c.comm, c.nbytes)
 
 
-def _lists_applies(c: Call) -> bool:
+def _lists_applies(c: Call, op: str) -> bool:
     """The list forms' point-to-point exchange; ``extra``: one block's element count where
     every rank's is the same (0 for all_to_all)."""
     return _lists.use_p2p(c.comm, c.extra)
 
 
-def _lists_reduce_scatter_applies(c: Call) -> bool:
+def _lists_reduce_scatter_applies(c: Call, op: str) -> bool:
     return _lists.use_p2p(c.comm, c.extra) and _lists.reduce_scatter_supported(c.kind, c.dtype)
 
 
@@ -155,17 +164,18 @@ CUDA_AWARE = Path("CUDA-aware MPI", "CUDA tensors, an MPI known to be CUDA-aware
                   "user-defined reduce op: device pointers to MPI", _cuda_aware_state,
                   applies=_device.cuda_aware)
 STAGED = Path("host staging", "the other CUDA tensors: pinned host copies, large blocking "
-              "ones pipelined", lambda comm: "open")
+              "ones pipelined", lambda comm, op: "open")
 DEVICE = (CUDA_AWARE, STAGED)
-ARENA = Path("shm arena", f"SUM/AVG/PREMUL_SUM, non-bool, from {_mib(_shm.MIN_BYTES)}", _arena,
+RACED = "from the size where a start-up race finds it faster than MPI"
+ARENA = Path("shm arena", f"SUM/AVG/PREMUL_SUM, non-bool, {RACED}", _arena,
              min_bytes=_shm.MIN_BYTES, applies=_arena_applies)
 LISTS = Path("point-to-point", "the list form", _p2p_lists, applies=_lists_applies)
-HIER = Path("hierarchical", "several nodes, the same number of ranks on each, from "
-            f"{_mib(_hier.MIN_BYTES)}", _hier_state, min_bytes=_hier.MIN_BYTES,
+HIER = Path("hierarchical", f"several nodes, the same number of ranks on each, {RACED}",
+            _hier_state, min_bytes=_hier.MIN_BYTES,
             applies=_hier_applies)
 RING = Path("ring", "SUM/AVG/PREMUL_SUM of float32/64, int32/64, several nodes, from "
             f"{_mib(_ring.MIN_BYTES)}", _node_local("ring", "HPCDDP_RING",
-                                                     lambda c: _ring.ring(c), "ring",
+                                                     lambda c: _ring.ring(c),
                                                      "the group is on one node"),
             min_bytes=_ring.MIN_BYTES, applies=_ring_applies)
 PIECES = "; over MPI's count limit of 2^31-1 elements, in pieces"
@@ -179,7 +189,7 @@ PATHS: dict[str, tuple[Path, ...]] = {
     "all_reduce": (Path("plan hit", f"SUM of a tensor reduced before, below {_mib(AGREE_BYTES)}",
                         _plan_hit, before_call=True), *DEVICE, ARENA, HIER, RING,
                    _mpi("Allreduce")),
-    "broadcast": (*DEVICE, Path("CMA", f"from {_mib(_cma.MIN_BYTES)}", _cma_state,
+    "broadcast": (*DEVICE, Path("CMA", RACED, _cma_state,
                                min_bytes=_cma.MIN_BYTES, applies=_cma_applies), HIER,
                   _mpi("Bcast")),
     "reduce": (*DEVICE, _mpi("Reduce")),
@@ -226,7 +236,8 @@ def route(op: str, **runs: Callable) -> tuple:
     # small call takes: no row to ask (0 where a middle row applies at any size)
     floor = min((p.min_bytes for p in host[:-1]), default=1 << 62)
     return (CUDA_AWARE.applies, on_cuda_aware, staged, floor, runs[names[-1]],
-            tuple((p.min_bytes, p.applies, runs[k]) for p, k in zip(host, names)),
+            tuple((p.min_bytes, p.applies and functools.partial(p.applies, op=op), runs[k])
+                  for p, k in zip(host, names)),
             op not in POSTED)
 
 
@@ -285,9 +296,9 @@ def table(comm) -> list[dict]:
             if p.state is None:
                 state = "open"
             else:
-                if p.state not in cache:
-                    cache[p.state] = p.state(comm)
-                state = cache[p.state]
+                if (p.state, op) not in cache:
+                    cache[p.state, op] = p.state(comm, op)
+                state = cache[p.state, op]
             out.append({"op": op, "order": i, "path": p.name, "when": p.when, "state": state})
     return out
 

@@ -10,7 +10,7 @@ import torch
 
 import hpcddp
 from hpcddp import collectives as C
-from hpcddp.collectives import _cma, _lists, _shm, paths
+from hpcddp.collectives import _cma, _lists, _node, _shm, paths
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +44,12 @@ def test_arena_row_is_the_path_all_reduce_takes(world, mode, monkeypatch):
     state = _state(world, "all_reduce", "shm arena")
     calls = _spy(monkeypatch, _shm.Arena, "all_reduce")
     n = world.size
-    for count in ((2 << 20) // 4, (512 << 10) // 4):     # above and below MIN_BYTES
+    for count in (2 * _shm.MIN_BYTES // 4, _shm.MIN_BYTES // 2 // 4):   # above, below MIN_BYTES
         t = torch.full((count,), float(world.rank))
         C.all_reduce(t)
         assert torch.equal(t, torch.full_like(t, n * (n - 1) / 2))
     if mode == "force":
-        assert state == "open" and calls == ["all_reduce"], (state, calls)
+        assert state.startswith("open from") and calls == ["all_reduce"], (state, calls)
     else:
         assert state == "closed (HPCDDP_SHM_ALLREDUCE=0)" and calls == [], (state, calls)
 
@@ -64,7 +64,8 @@ def test_cma_row_is_the_path_broadcast_takes(world, mode, monkeypatch):
     t = torch.full(((2 << 20) // 4,), float(world.rank))
     C.broadcast(t, 0)
     assert torch.equal(t, torch.zeros_like(t))
-    assert (state == "open") == (calls == ["broadcast"]) == (mode == "force"), (state, calls)
+    assert state.startswith("open") == (calls == ["broadcast"]) == (mode == "force"), \
+        (state, calls)
 
 
 def test_point_to_point_row_is_the_path_list_all_gather_takes(world, monkeypatch):
@@ -83,3 +84,75 @@ def test_every_op_in_the_table_is_an_op(world):
     text = paths.format_table(paths.table(world))
     assert text.splitlines()[0].startswith("which path a call takes")
     assert "all_reduce" in text and "MPI Allreduce (otherwise; over MPI's count limit" in text
+
+
+def _forced_race(monkeypatch, owner, times):
+    """The start-up race with its times forced: TIMES(op, nbytes, rank) -> (this path's s,
+    MPI's s) as this rank measures them. Returns the (op, nbytes) raced on this rank."""
+    raced = []
+    monkeypatch.setattr(owner, "_race_pair", lambda self, op, nbytes: ((op, nbytes), None))
+
+    def best_times(comm, ours, mpis, tries=3):
+        raced.append(ours)
+        return times(*ours, comm.rank)
+    monkeypatch.setattr(_node, "best_times", best_times)
+    return raced
+
+
+def _same_on_every_rank(world, value):
+    values = world.mpi.allgather(value)
+    assert all(v == values[0] for v in values), values
+    return value
+
+
+def test_a_path_serves_each_op_from_the_size_its_race_found(world, monkeypatch):
+    """The arena loses all_reduce below 2 MiB on rank 0 only: the slowest rank's time decides,
+    so every rank hands those sizes to MPI; it wins reduce_scatter from the first size raced.
+    Every rank takes the same path for the same call, and each op is raced once."""
+    monkeypatch.setattr(_shm, "MODE", "auto")
+    monkeypatch.setattr(_shm, "_arenas", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(paths.settings, "_current",
+                        paths.settings.get().replace(shm_allreduce="auto"))
+    slow_below = 2 << 20
+
+    def times(op, nbytes, rank):
+        lose = op == "all_reduce" and nbytes < slow_below and rank == 0
+        return (2e-3 if lose else 1e-3), 1.5e-3
+    raced = _forced_race(monkeypatch, _shm.Arena, times)
+    calls = _spy(monkeypatch, _shm.Arena, "all_reduce")
+    rs_calls = _spy(monkeypatch, _shm.Arena, "reduce_scatter")
+    n = world.size
+    took = []
+    for nbytes in (1 << 20, slow_below, 4 << 20, (1 << 20) - 4, slow_below - 4):
+        t = torch.full((nbytes // 4,), float(world.rank))
+        before = len(calls)
+        C.all_reduce(t)
+        assert torch.equal(t, torch.full_like(t, n * (n - 1) / 2))
+        took.append(len(calls) > before)
+    assert _same_on_every_rank(world, took) == [False, True, True, False, False]
+    out = torch.zeros(_shm.MIN_BYTES // 4)
+    C.reduce_scatter_tensor(out, torch.ones(n * out.numel()))
+    assert torch.equal(out, torch.full_like(out, n)) and len(rs_calls) == 1
+    # up the ladder until the arena won at two sizes in a row
+    assert raced == [("all_reduce", b) for b in _node.LADDER[:5]] + \
+        [("reduce_scatter", b) for b in _node.LADDER[:2]], raced
+    assert _state(world, "all_reduce", "shm arena").startswith("open from 2 MiB (MPI faster "
+                                                               "at 1 MiB: this path 2.00 ms")
+    assert _state(world, "reduce_scatter_tensor", "shm arena").startswith(
+        "open from 256 KiB (faster at 256 KiB: this path 1.00 ms, MPI 1.50 ms")
+    assert len(raced) == 7          # the table reads the decisions, it does not race again
+
+
+def test_a_path_that_loses_at_every_size_is_closed_and_says_why(world, monkeypatch):
+    monkeypatch.setattr(_cma, "MODE", "auto")
+    monkeypatch.setattr(_cma, "_peers", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(paths.settings, "_current", paths.settings.get().replace(cma="auto"))
+    raced = _forced_race(monkeypatch, _cma.Peers, lambda op, nbytes, rank: (2e-3, 1e-3))
+    calls = _spy(monkeypatch, _cma.Peers, "broadcast")
+    t = torch.full(((32 << 20) // 4,), float(world.rank))
+    C.broadcast(t, world.size - 1)
+    assert torch.equal(t, torch.full_like(t, world.size - 1)) and calls == []
+    assert [nbytes for _, nbytes in raced] == list(_node.LADDER)
+    state = _state(world, "broadcast", "CMA")
+    assert state.startswith("closed (MPI faster at every size raced, up to 16 MiB: MPI faster "
+                            "at 16 MiB: this path 2.00 ms, MPI 1.00 ms; race "), state

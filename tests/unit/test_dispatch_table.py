@@ -39,7 +39,9 @@ def test_every_op_runs_its_table_rows_in_order(op):
     assert tuple(table[:2]) == (paths.CUDA_AWARE, paths.STAGED) == paths.DEVICE
     assert aware is paths.CUDA_AWARE.applies and callable(on_aware) and callable(staged)
     host = table[2:]
-    assert [(m, a) for m, a, _ in rows] == [(p.min_bytes, p.applies) for p in host]
+    # each row's condition is the table's, told the op (a path serves each op from its own size)
+    assert [(m, a and (a.func, a.keywords)) for m, a, _ in rows] == \
+        [(p.min_bytes, p.applies and (p.applies, {"op": op})) for p in host]
     # each op's runner for a row is named after the row's kind (_all_reduce_arena, ...)
     kinds = [paths._kind(p) for p in host]
     assert [run.__name__.rsplit("_", 1)[-1] for _, _, run in rows] == kinds
@@ -63,7 +65,7 @@ def test_route_refuses_a_row_without_a_runner_and_a_runner_without_a_row():
 
 def _fake_table(monkeypatch, asked):
     def applies(name, answer):
-        def f(call):
+        def f(call, op):
             asked.append(name)
             return answer
         return f
