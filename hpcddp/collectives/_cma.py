@@ -46,6 +46,10 @@ from hpcddp.comm._mpi import MPI
 # The smallest size the race tries: below it this path's fixed cost (an Allgather and an
 # Allreduce) is larger than what the split copy saves (docs/benchmarks.md, "Cross-memory attach")
 MIN_BYTES = _node.LADDER[0]
+# up to 32 MiB: at 8-16 MiB the root's and a receiver's buffers still fit this machine's 32 MiB
+# L3, where MPI's one copy can tie with two half copies; above the ladder the decision at its
+# top holds, so the top must be a size whose buffers do not fit
+LADDER = _node.LADDER + (32 << 20,)
 ENV_MODE = "HPCDDP_CMA"
 MODE = settings.get().cma
 ALIGN = 64           # parts start on cache lines: no line is written by two copies at once
@@ -116,7 +120,8 @@ class Peers:
         self.mine = np.zeros(3, np.int64)                 # (address, bytes, call hash) of this rank
         self.table = np.zeros((comm.size, 3), np.int64)   # ... of every rank
         self.ok = np.ones(1, np.int32)
-        self.starts = _node.Starts("cma", comm, self._race_pair, MODE == "force", MIN_BYTES)
+        self.starts = _node.Starts("cma", comm, self._race_pair, MODE == "force", MIN_BYTES,
+                                   LADDER)
 
     @classmethod
     def make(cls, comm):

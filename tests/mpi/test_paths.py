@@ -152,7 +152,7 @@ def test_a_path_that_loses_at_every_size_is_closed_and_says_why(world, monkeypat
     t = torch.full(((32 << 20) // 4,), float(world.rank))
     C.broadcast(t, world.size - 1)
     assert torch.equal(t, torch.full_like(t, world.size - 1)) and calls == []
-    assert [nbytes for _, nbytes in raced] == list(_node.LADDER)
+    assert [nbytes for _, nbytes in raced] == list(_cma.LADDER)
     state = _state(world, "broadcast", "CMA")
-    assert state.startswith("closed (MPI faster at every size raced, up to 16 MiB: MPI faster "
-                            "at 16 MiB: this path 2.00 ms, MPI 1.00 ms; race "), state
+    assert state.startswith("closed (MPI faster at every size raced, up to 32 MiB: MPI faster "
+                            "at 32 MiB: this path 2.00 ms, MPI 1.00 ms; race "), state
