@@ -196,13 +196,15 @@ VARS: tuple[Var, ...] = (
     # the collectives' paths (docs/benchmarks.md)
     Var("HPCDDP_SHM_ALLREDUCE", _path_mode, "auto", "0, 1/auto, force",
         "large all_reduce and reduce_scatter on one node through a shared-memory arena "
-        "(auto: where a start-up race finds it faster than MPI)", "benchmarks.md"),
+        "(auto: each op from the size where a start-up race finds it faster than MPI; force: "
+        "from 256 KiB, no race)", "benchmarks.md"),
     Var("HPCDDP_CMA", _path_mode, "auto", "0, 1/auto, force",
-        "large broadcasts on one node by cross-memory attach (auto: where a race finds it "
-        "faster than MPI)", "benchmarks.md"),
+        "large broadcasts on one node by cross-memory attach (auto: from the size where a "
+        "start-up race finds it faster than MPI; force: from 256 KiB, no race)", "benchmarks.md"),
     Var("HPCDDP_HIER", _path_mode, "auto", "0, 1/auto, force",
         "large all_reduce across nodes in two levels: shared memory inside a node, each byte "
-        "across nodes once (auto: where a start-up race finds it faster than MPI)",
+        "across nodes once (auto: each op from the size where a start-up race finds it faster "
+        "than MPI; force: from 256 KiB, no race)",
         "multinode-testing.md"),
     Var("HPCDDP_RING", _path_mode, "auto", "0, 1/auto, force",
         "large SUM/AVG all_reduce across nodes as a pipelined ring over point-to-point "
