@@ -57,3 +57,22 @@ def test_a_forced_path_serves_from_its_floor_without_a_race(monkeypatch):
     monkeypatch.setattr(_node, "crossover", lambda *a, **k: pytest.fail("raced"))
     starts = _node.Starts("test path", _OneRank(), None, forced=True, floor=256 * KIB)
     assert starts.start("all_reduce") == 256 * KIB and starts.found == {}
+
+
+def test_docs_crossover_tables_are_the_committed_runs(capsys):
+    """docs/benchmarks/crossover/tables.md is what scripts/crossover_table.py makes of the
+    committed runs, and the page's per-run decisions are theirs."""
+    import runpy
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    folder = root / "docs" / "benchmarks" / "crossover"
+    runpy.run_path(str(root / "scripts" / "crossover_table.py"), run_name="tables")["main"](
+        str(folder))
+    assert capsys.readouterr().out == (folder / "tables.md").read_text()
+    page = (root / "docs" / "benchmarks.md").read_text()
+    import json
+    for i in range(1, 6):
+        run = json.loads((folder / f"run{i}.json").read_text())
+        starts = {d["op"] + d["path"]: d["start_bytes"] for d in run["node_paths"]}
+        row = f"| {i} | from {_node._mib(starts['all_reduceshm arena'])} "
+        assert row in page, row
