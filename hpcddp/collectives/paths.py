@@ -74,6 +74,11 @@ def _plan_hit(comm, op) -> str:
     return f"open ({_plans.KIND})"
 
 
+def _p2p_plan_hit(comm, op) -> str:     # no Python hit: without the C module, no p2p plans
+    return "open (C)" if _plans.KIND == "C" else \
+        f"closed (point-to-point plans run only in the C module: {_plans.WHY_PYTHON})"
+
+
 def _cuda_aware_state(comm, op) -> str:
     from hpcddp.comm.cuda import cuda_awareness
     try:
@@ -157,7 +162,9 @@ def _lists_reduce_scatter_applies(c: Call, op: str) -> bool:
     return _lists.use_p2p(c.comm, c.extra) and _lists.reduce_scatter_supported(c.kind, c.dtype)
 
 
-PLAN = Path("plan hit", "the same tensors as a call before, blocking, "
+# the exchange plans are made on the second call in a row on the same tensors
+# (_plans.worth_planning: fresh tensors per call never pay for one), so they hit from the third
+PLAN = Path("plan hit", "the same tensors as the two calls before, blocking, "
             f"below {_mib(AGREE_BYTES)}", _plan_hit, before_call=True)
 # the device rows: every op's first two; take() asks them only for a call on CUDA tensors
 CUDA_AWARE = Path("CUDA-aware MPI", "CUDA tensors, an MPI known to be CUDA-aware, not a "
@@ -202,11 +209,11 @@ PATHS: dict[str, tuple[Path, ...]] = {
     "gather": (*DEVICE, _mpi("Gather(v)")),
     "scatter": (*DEVICE, _mpi("Scatter(v)")),
     "all_to_all": (PLAN, *DEVICE, LISTS, _mpi("Ialltoallv", pieces=False)),
-    "all_to_all_single": (Path("plan hit", "even blocks, the same tensors as a call before",
-                               _plan_hit, before_call=True), *DEVICE,
+    "all_to_all_single": (Path("plan hit", "even blocks, the same tensors as the two calls "
+                               "before", _plan_hit, before_call=True), *DEVICE,
                           _mpi("Ialltoallv", pieces=False)),
     "send/recv/isend/irecv": (Path("plan hit", "a tensor sent or received before, same peer "
-                                   "and tag (C module only)", _plan_hit, before_call=True),
+                                   "and tag (C module only)", _p2p_plan_hit, before_call=True),
                               *DEVICE, _mpi("Send/Recv (or Isend/Irecv)")),
     "barrier": (Path("MPI Barrier", "always"),),
 }

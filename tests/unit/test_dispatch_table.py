@@ -111,3 +111,17 @@ def test_a_device_call_takes_the_cuda_aware_row_only_where_it_applies(monkeypatc
         monkeypatch.setattr(ops, "_custom", {"bf16 sum": c.mop} if custom else {})
         assert take(r, c) == f"device {row}", (aware, custom)
     assert _device.cuda_aware is paths.CUDA_AWARE.applies
+
+
+def test_the_point_to_point_plan_row_is_closed_without_the_c_module(monkeypatch):
+    """Only the C module runs point-to-point plans: hpcddp info must not call the row open
+    where the Python hits run (HPCDDP_FASTPATH=0, or no C module)."""
+    from hpcddp.collectives import _plans
+    row = paths.PATHS["send/recv/isend/irecv"][0]
+    monkeypatch.setattr(_plans, "KIND", "C")
+    assert row.state(None, "send/recv/isend/irecv") == "open (C)"
+    monkeypatch.setattr(_plans, "KIND", "Python (HPCDDP_FASTPATH=0)")
+    monkeypatch.setattr(_plans, "WHY_PYTHON", "HPCDDP_FASTPATH=0")
+    assert row.state(None, "send/recv/isend/irecv") == \
+        "closed (point-to-point plans run only in the C module: HPCDDP_FASTPATH=0)"
+    assert paths.PATHS["all_reduce"][0].state(None, "all_reduce").startswith("open (Python")
