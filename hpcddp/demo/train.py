@@ -98,15 +98,11 @@ class _Phases:
 
 def run_job(cfg: DemoConfig) -> dict:
     """The whole pipeline; every rank calls it. Returns the results (the same on every rank)."""
-    import numpy as np
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import hpcddp
     from hpcddp import data as hdata
-    from hpcddp.demo.model import build_model
 
     t_job = time.perf_counter()
     age = _process_age()  # python start-up and imports (torch: seconds on a busy machine)
@@ -122,8 +118,6 @@ def run_job(cfg: DemoConfig) -> dict:
 
     torch.set_num_threads(1)  # ranks share the cores; more threads per rank only contend
     global_batch = cfg.global_batch(size)
-    local_batch = global_batch // size
-    dtype = getattr(torch, cfg.dtype)
     workdir = os.path.abspath(cfg.workdir)
     digits_dir = os.path.join(workdir, "digits")
     packed = {s: os.path.join(workdir, "packed", s) for s in ("train", "test")}
@@ -131,7 +125,7 @@ def run_job(cfg: DemoConfig) -> dict:
     say(f"hpcddp demo: {size} rank(s) on {topo.num_nodes} node(s)"
         f"{' (emulated: HPCDDP_RANKS_PER_NODE=%d)' % topo.local_size if topo.emulated else ''}, "
         f"backend {cfg.backend}, {cfg.format}, {cfg.epochs} epochs, global batch {global_batch} "
-        f"({local_batch} per rank), {cfg.workers} loader worker(s) per rank")
+        f"({global_batch // size} per rank), {cfg.workers} loader worker(s) per rank")
     phases = _Phases(comm)
     ages = comm.allgather(age)
     if all(a is not None for a in ages):
@@ -146,139 +140,26 @@ def run_job(cfg: DemoConfig) -> dict:
         staged = _prepare(cfg, phases, say, rank, topo, digits_dir, packed)
 
     # 4. train
-    # setup: process group, data sets, loaders, model, DDP. The first DDP() in a process
-    # imports torch._dynamo: seconds on a busy machine, whatever the backend.
-    phases.start("setup")
-    hpcddp.init_process_group(cfg.backend)
-    train_ds = hdata.open_dataset(staged["train"], decode=decode_png)
-    test_ds = hdata.open_dataset(staged["test"], decode=decode_png)
-    if cfg.elastic:
-        # the same batches as the plain sampler and loader, dealt again after a lost rank
-        from hpcddp import elastic
-        sampler = elastic.ElasticBatchSampler(len(train_ds), global_batch, seed=cfg.seed)
-        loader = torch.utils.data.DataLoader(
-            train_ds, batch_sampler=sampler, num_workers=cfg.workers,
-            persistent_workers=cfg.workers > 0)
-    else:
-        sampler = hdata.DistributedSampler(train_ds, num_replicas=size, rank=rank,
-                                           shuffle=True, seed=cfg.seed, drop_last=True)
-        loader = torch.utils.data.DataLoader(
-            train_ds, batch_size=local_batch, sampler=sampler, drop_last=True,
-            num_workers=cfg.workers, persistent_workers=cfg.workers > 0)
-    steps_per_epoch = len(loader)
-    if steps_per_epoch == 0:
-        raise ValueError(f"hpcddp demo: {len(train_ds)} training samples make no full global "
-                         f"batch of {global_batch}; lower --batch-size or raise --limit")
-
-    model = build_model(cfg.seed, dtype)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                          weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs * steps_per_epoch)
-    ckpt = _checkpointer(os.path.join(workdir, "checkpoints"), world)
-    state = None
-    if cfg.elastic:
-        kill = None if cfg.kill_rank is None else \
-            f"{cfg.kill_rank}@{cfg.kill_step}:{cfg.kill_phase}"
-
-        def after_recovery(st):   # what the demo itself holds on the old world
-            phases.comm = st.world.mpi
-            ckpt._sync = type(ckpt._sync)(st.world)
-        state = elastic.State(model, opt, sampler, scheduler=sched, on_recovery=[after_recovery],
-                              fault_injection=kill)
-        ddp = state.model
-    else:
-        ddp = DDP(model)
-
-    start_epoch = 0
-    if cfg.resume:
-        found = ckpt.load_latest()
-        if found is not None:
-            model.load_state_dict(found.state["model"])
-            opt.load_state_dict(found.state["optimizer"])
-            sched.load_state_dict(found.state["scheduler"])
-            start_epoch = found.step
-    elif rank == 0:
-        _clear_checkpoints(ckpt)
-    phases.stop()
-
-    say(f"[train] {len(train_ds)} samples, {steps_per_epoch} steps of {global_batch} per epoch, "
-        f"DDP over {dist.get_backend()} on {dist.get_world_size()} rank(s)")
-    phases.start("train")
-    trained = 0
-    preempted = False
-    import contextlib
-    epochs = state.epochs(cfg.epochs) if state else range(start_epoch, cfg.epochs)
-    for epoch in epochs:
-        t_ep = time.perf_counter()
-        sampler.set_epoch(epoch)
-        (state.model if state else ddp).train()
-        sums = hdata.MetricSums()
-        for x, y in (state.batches(loader) if state else loader):
-            with (state.step() if state else contextlib.nullcontext()):
-                x = x.to(dtype)
-                out = (state.model if state else ddp)(x)
-                loss = F.cross_entropy(out, y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
-                with torch.no_grad():
-                    sums.add("loss", loss.detach() * len(y), len(y))
-                    sums.add("accuracy", (out.argmax(1) == y).sum(), len(y))
-        trained += steps_per_epoch * global_batch
-        comm = hpcddp.world().mpi          # smaller after a lost rank (elastic mode)
-        m = sums.reduce(comm)
-        dt = time.perf_counter() - t_ep
-        say(f"[train] epoch {epoch + 1:>2}/{cfg.epochs}  loss {m['loss']:.4f}  "
-            f"train acc {m['accuracy']:.4f}  lr {sched.get_last_lr()[0]:.4f}  "
-            f"{steps_per_epoch * global_batch / dt:,.0f} samples/s  {dt:.2f} s")
-        last = epoch + 1 == cfg.epochs
-        every = cfg.checkpoint_every
-        if ckpt.should_save(epoch + 1, every=every) or last:
-            ckpt.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                       "scheduler": sched.state_dict(), "epoch": epoch + 1,
-                       "config": cfg.as_dict(), "world_size": size}, epoch + 1)
-        if ckpt.preempted:
-            say(f"[train] stopping after epoch {epoch + 1}: preempted; rerun with --resume")
-            preempted = True
-            break
-    train_s = phases.stop()
-    ckpt.restore_signals()
-    if state is not None:
-        for line in _elastic_lines(state, size):
+    run = _setup_training(cfg, phases, staged, workdir, global_batch)
+    say(f"[train] {len(run.train_ds)} samples, {run.steps_per_epoch} steps of {global_batch} per "
+        f"epoch, DDP over {dist.get_backend()} on {dist.get_world_size()} rank(s)")
+    trained, preempted, train_s = _train(cfg, run, phases, say, global_batch)
+    if run.state is not None:
+        for line in _elastic_lines(run.state, size):
             say(line)
-    world = hpcddp.world()
-    rank, size = world.rank, world.size
-
-    # 5. evaluate: every held-out sample exactly once, whatever the number of ranks
-    phases.start("evaluate")
-    eval_sampler = hdata.DistributedEvalSampler(test_ds, num_replicas=size, rank=rank)
-    eval_loader = torch.utils.data.DataLoader(test_ds, batch_size=256, sampler=eval_sampler,
-                                              num_workers=0)
-    model.eval()  # the plain module: ranks run different batch counts, DDP would sync them
-    sums = hdata.MetricSums()
-    with torch.no_grad():
-        for x, y in eval_loader:
-            out = model(x.to(dtype))
-            sums.add("loss", F.cross_entropy(out, y, reduction="sum"), len(y))
-            sums.add("accuracy", (out.argmax(1) == y).sum(), len(y))
-    metrics = sums.reduce(comm)
-    evaluated = sums.counts.get("accuracy", 0)
-    eval_s = phases.stop()
-    if evaluated != len(test_ds):
-        raise RuntimeError(f"hpcddp demo: evaluated {evaluated} samples, the test split has "
-                           f"{len(test_ds)}: the evaluation sampler lost or repeated samples")
-
-    if cfg.save_params and rank == 0:
-        _save_atomic({k: v.detach().clone() for k, v in model.state_dict().items()},
+    # 5. evaluate
+    metrics, evaluated, eval_s = _evaluate(cfg, run, phases)
+    if cfg.save_params and hpcddp.world().rank == 0:
+        _save_atomic({k: v.detach().clone() for k, v in run.model.state_dict().items()},
                      cfg.save_params)
     total_s = time.perf_counter() - t_job + phases.times.get("launch", 0.0)
+    state = run.state
     results = {
         "accuracy": metrics["accuracy"], "test_loss": metrics["loss"],
-        "test_samples": evaluated, "train_samples": len(train_ds), "world_size": size,
-        "nodes": topo.num_nodes, "backend": cfg.backend, "format": cfg.format,
-        "epochs": cfg.epochs, "global_batch": global_batch, "dtype": cfg.dtype,
-        "preempted": preempted,
+        "test_samples": evaluated, "train_samples": len(run.train_ds),
+        "world_size": hpcddp.world().size, "nodes": topo.num_nodes, "backend": cfg.backend,
+        "format": cfg.format, "epochs": cfg.epochs, "global_batch": global_batch,
+        "dtype": cfg.dtype, "preempted": preempted,
         "elastic": None if state is None else {
             "lost_ranks": sorted(r for rec in state.recoveries for r in rec.lost),
             "recoveries": [{k: v for k, v in rec.__dict__.items() if k != "cause"}
@@ -287,19 +168,191 @@ def run_job(cfg: DemoConfig) -> dict:
         "train_samples_per_s": trained / train_s if trained else 0.0,
         "eval_samples_per_s": evaluated / eval_s if eval_s > 0 else 0.0,
     }
-    say(f"[evaluate] held-out accuracy {metrics['accuracy']:.4f} on {evaluated} samples "
-        f"(each counted once over {size} rank{'s' if size > 1 else ''}), loss {metrics['loss']:.4f}")
+    _report(cfg, results, say)
+    # collectives are done; tearing down the group before MPI finalises keeps exit clean
+    dist.destroy_process_group()
+    return results
+
+
+class _Run:
+    """What the training set-up made: data sets, sampler and loader, model, optimizer,
+    scheduler, checkpointer, the elastic State (or None) and the DDP model, and the epoch
+    to start from."""
+    __slots__ = ("train_ds", "test_ds", "sampler", "loader", "steps_per_epoch", "model", "opt",
+                 "sched", "ckpt", "state", "ddp", "start_epoch")
+
+
+def _setup_training(cfg: DemoConfig, phases, staged: dict, workdir: str, global_batch: int):
+    """Process group, data sets, loaders, model, DDP (or elastic mode's State), and the
+    checkpoint to resume from. The first DDP() in a process imports torch._dynamo: seconds on
+    a busy machine, whatever the backend."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hpcddp
+    from hpcddp import data as hdata
+    from hpcddp.demo.model import build_model
+
+    world = hpcddp.world()
+    rank, size = world.rank, world.size
+    run = _Run()
+    phases.start("setup")
+    hpcddp.init_process_group(cfg.backend)
+    run.train_ds = train_ds = hdata.open_dataset(staged["train"], decode=decode_png)
+    run.test_ds = hdata.open_dataset(staged["test"], decode=decode_png)
+    if cfg.elastic:
+        # the same batches as the plain sampler and loader, dealt again after a lost rank
+        from hpcddp import elastic
+        run.sampler = elastic.ElasticBatchSampler(len(train_ds), global_batch, seed=cfg.seed)
+        run.loader = torch.utils.data.DataLoader(
+            train_ds, batch_sampler=run.sampler, num_workers=cfg.workers,
+            persistent_workers=cfg.workers > 0)
+    else:
+        run.sampler = hdata.DistributedSampler(train_ds, num_replicas=size, rank=rank,
+                                               shuffle=True, seed=cfg.seed, drop_last=True)
+        run.loader = torch.utils.data.DataLoader(
+            train_ds, batch_size=global_batch // size, sampler=run.sampler, drop_last=True,
+            num_workers=cfg.workers, persistent_workers=cfg.workers > 0)
+    run.steps_per_epoch = len(run.loader)
+    if run.steps_per_epoch == 0:
+        raise ValueError(f"hpcddp demo: {len(train_ds)} training samples make no full global "
+                         f"batch of {global_batch}; lower --batch-size or raise --limit")
+
+    run.model = model = build_model(cfg.seed, getattr(torch, cfg.dtype))
+    run.opt = opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                    weight_decay=cfg.weight_decay)
+    run.sched = sched = torch.optim.lr_scheduler.CosineAnnealingLR(
+        opt, T_max=cfg.epochs * run.steps_per_epoch)
+    run.ckpt = ckpt = _checkpointer(os.path.join(workdir, "checkpoints"), world)
+    run.state = None
+    if cfg.elastic:
+        kill = None if cfg.kill_rank is None else \
+            f"{cfg.kill_rank}@{cfg.kill_step}:{cfg.kill_phase}"
+
+        def after_recovery(st):   # what the demo itself holds on the old world
+            phases.comm = st.world.mpi
+            ckpt._sync = type(ckpt._sync)(st.world)
+        run.state = elastic.State(model, opt, run.sampler, scheduler=sched,
+                                  on_recovery=[after_recovery], fault_injection=kill)
+        run.ddp = run.state.model
+    else:
+        run.ddp = DDP(model)
+
+    run.start_epoch = 0
+    if cfg.resume:
+        found = ckpt.load_latest()
+        if found is not None:
+            model.load_state_dict(found.state["model"])
+            opt.load_state_dict(found.state["optimizer"])
+            sched.load_state_dict(found.state["scheduler"])
+            run.start_epoch = found.step
+    elif rank == 0:
+        _clear_checkpoints(ckpt)
+    phases.stop()
+    return run
+
+
+def _train(cfg: DemoConfig, run: _Run, phases, say, global_batch: int) -> tuple:
+    """The epochs (elastic mode: through its State): (samples trained, preempted, seconds)."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+
+    import hpcddp
+    from hpcddp import data as hdata
+
+    state, sampler, sched, opt, ckpt = run.state, run.sampler, run.sched, run.opt, run.ckpt
+    dtype = getattr(torch, cfg.dtype)
+    size = hpcddp.world().size
+    phases.start("train")
+    trained = 0
+    preempted = False
+    epochs = state.epochs(cfg.epochs) if state else range(run.start_epoch, cfg.epochs)
+    for epoch in epochs:
+        t_ep = time.perf_counter()
+        sampler.set_epoch(epoch)
+        (state.model if state else run.ddp).train()
+        sums = hdata.MetricSums()
+        for x, y in (state.batches(run.loader) if state else run.loader):
+            with (state.step() if state else contextlib.nullcontext()):
+                x = x.to(dtype)
+                out = (state.model if state else run.ddp)(x)
+                loss = F.cross_entropy(out, y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                with torch.no_grad():
+                    sums.add("loss", loss.detach() * len(y), len(y))
+                    sums.add("accuracy", (out.argmax(1) == y).sum(), len(y))
+        trained += run.steps_per_epoch * global_batch
+        m = sums.reduce(hpcddp.world().mpi)     # smaller after a lost rank (elastic mode)
+        dt = time.perf_counter() - t_ep
+        say(f"[train] epoch {epoch + 1:>2}/{cfg.epochs}  loss {m['loss']:.4f}  "
+            f"train acc {m['accuracy']:.4f}  lr {sched.get_last_lr()[0]:.4f}  "
+            f"{run.steps_per_epoch * global_batch / dt:,.0f} samples/s  {dt:.2f} s")
+        last = epoch + 1 == cfg.epochs
+        if ckpt.should_save(epoch + 1, every=cfg.checkpoint_every) or last:
+            ckpt.save({"model": run.model.state_dict(), "optimizer": opt.state_dict(),
+                       "scheduler": sched.state_dict(), "epoch": epoch + 1,
+                       "config": cfg.as_dict(), "world_size": size}, epoch + 1)
+        if ckpt.preempted:
+            say(f"[train] stopping after epoch {epoch + 1}: preempted; rerun with --resume")
+            preempted = True
+            break
+    train_s = phases.stop()
+    ckpt.restore_signals()
+    return trained, preempted, train_s
+
+
+def _evaluate(cfg: DemoConfig, run: _Run, phases) -> tuple:
+    """Every held-out sample exactly once, whatever the number of ranks (after a loss too):
+    (metrics, samples evaluated, seconds)."""
+    import torch
+    import torch.nn.functional as F
+
+    import hpcddp
+    from hpcddp import data as hdata
+
+    world = hpcddp.world()
+    dtype = getattr(torch, cfg.dtype)
+    test_ds = run.test_ds
+    phases.start("evaluate")
+    eval_sampler = hdata.DistributedEvalSampler(test_ds, num_replicas=world.size,
+                                                rank=world.rank)
+    eval_loader = torch.utils.data.DataLoader(test_ds, batch_size=256, sampler=eval_sampler,
+                                              num_workers=0)
+    run.model.eval()  # the plain module: ranks run different batch counts, DDP would sync them
+    sums = hdata.MetricSums()
+    with torch.no_grad():
+        for x, y in eval_loader:
+            out = run.model(x.to(dtype))
+            sums.add("loss", F.cross_entropy(out, y, reduction="sum"), len(y))
+            sums.add("accuracy", (out.argmax(1) == y).sum(), len(y))
+    metrics = sums.reduce(world.mpi)
+    evaluated = sums.counts.get("accuracy", 0)
+    eval_s = phases.stop()
+    if evaluated != len(test_ds):
+        raise RuntimeError(f"hpcddp demo: evaluated {evaluated} samples, the test split has "
+                           f"{len(test_ds)}: the evaluation sampler lost or repeated samples")
+    return metrics, evaluated, eval_s
+
+
+def _report(cfg: DemoConfig, results: dict, say) -> None:
+    """The evaluation's line, the summary, and the results file (rank 0)."""
+    import hpcddp
+    size = results["world_size"]
+    say(f"[evaluate] held-out accuracy {results['accuracy']:.4f} on {results['test_samples']} "
+        f"samples (each counted once over {size} rank{'s' if size > 1 else ''}), loss "
+        f"{results['test_loss']:.4f}")
     for line in _summary_lines(results):
         say(line)
-    if rank == 0 and cfg.results:
+    if hpcddp.world().rank == 0 and cfg.results:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.results)), exist_ok=True)
         with open(cfg.results, "w") as f:
             json.dump(results, f, indent=1, sort_keys=True)
             f.write("\n")
-    # collectives are done; tearing down the group before MPI finalises keeps exit clean
-    dist.destroy_process_group()
-    del np
-    return results
 
 
 def _elastic_lines(state, started: int) -> list[str]:
