@@ -117,6 +117,45 @@ SCRIPT = textwrap.dedent(r'''
     hpcddp.all_reduce(i32); hpcddp.all_reduce(i32)
     same(i32, torch.full((3,), n * (n * (n + 1) // 2), dtype=torch.int32), "int32 twice")
 
+    # -- broadcast plans: the same tensor broadcast again ---------------------------------------
+    b = torch.arange(4, dtype=torch.float32) * (r + 1)
+
+    def ref_broadcast(t, root):
+        u = t.clone(); dist.broadcast(u, root, group=G); return u
+
+    for i in range(3):                        # plan made, then hit; another root: another plan
+        for root in (0, n - 1):
+            want = ref_broadcast(b, root)
+            hpcddp.broadcast(b, root); same(b, want, f"broadcast root {root} #{i}")
+            b.mul_(2).add_(r)
+            want = ref_broadcast(b, root)
+            dist.broadcast(b, root); same(b, want, f"dist.broadcast root {root} #{i}")
+            b.add_(r)
+    assert id(b) in _plans.bplans, "broadcast made no plan"
+    world = resolve(None, "t")
+    seq = world.seq
+    hpcddp.broadcast(b, n - 1)
+    hit = [e for e in REC.RECORDER.buf
+           if e is not None and e[REC.GROUP] is world and e[REC.SEQ] == seq + 1][-1]
+    assert hit[REC.OP] == "broadcast" and hit[REC.PEER] == n - 1, hit   # the hit is recorded
+    b.add_(r)
+    want = ref_broadcast(b, 0)
+    dist.broadcast(b, 0, async_op=True).wait(); same(b, want, "async dist.broadcast")
+    b.resize_(2).add_(r)                      # same memory, fewer elements: the full path
+    want = ref_broadcast(b, 0)
+    hpcddp.broadcast(b, 0); same(b, want, "broadcast after resize_")
+    hpcddp.broadcast(b, 0)                    # planned again
+    assert _plans.bhit(b, 0, None) is True, "no hit on the same tensor, root and group"
+    assert _plans.bhit(b, 0.0, None) is False and _plans.bhit(b, 1 % n, None) is (n == 1)
+    assert _plans.bhit(torch.zeros(2), 0, None) is False
+    sub = dist.new_group(list(range(n)))
+    want = ref_broadcast(b + 1, 0)
+    b.add_(1); dist.broadcast(b, 0, group=sub); same(b, want, "broadcast on another group")
+    assert _plans.bhit(b, 0, None) is False, "the world hit the sub group's plan"
+    c8 = torch.full((3,), float(r), dtype=torch.float64)
+    for i in range(2):
+        hpcddp.broadcast(c8, 0); same(c8, torch.zeros(3, dtype=torch.float64), f"f64 #{i}")
+
     # -- list forms ------------------------------------------------------------------------
     for count in (1, 5, 70000):
         for dtype in (torch.float32, torch.float64, torch.int64, torch.bfloat16):

@@ -11,6 +11,9 @@
  * against the plan, the entry, then the plan's program (MPI_Ialltoallv + MPI_Wait, or the own
  * block's memmove and MPI_Sendrecv steps) with the GIL released.
  *
+ * broadcast() does it for a blocking broadcast of a tensor broadcast before from the same root:
+ * the plan's checks, the entry (with the root as its peer), MPI_Bcast with the GIL released.
+ *
  * p2p() starts (or runs, when blocking) a planned isend/irecv/send/recv of a tensor used before
  * with the same peer, tag and group; the non-blocking ones return a P2PWork, a Work whose
  * wait() and is_completed() are MPI_Wait and MPI_Test here: a Python Work cost ~2.8 us to
@@ -41,15 +44,17 @@
 /* set once by configure(): the all_reduce plans dict, the exchange plans (a tuple of dicts,
    one per kind), the recorder's ring, its slot cycle, its clock, and mpi4py's exception class */
 static PyObject *plans, *xplans, *ring, *slots, *tick, *mpi_exception;
+/* the broadcast plans (a dict, keyed as the all_reduce plans) */
+static PyObject *bplans;
 /* and the p2p plans (a tuple: send plans, recv plans), the recorder's p2p sequence numbers
    (a dict: communicator uid -> last number), hpcddp.collectives.work.future_of and
    work.count_error */
 static PyObject *pplans, *p2p_seq, *future_of, *count_error;
-static PyObject *s_op, *s_data_ptr, *s_numel, *s_is_contiguous, *s_dtype, *s_seq, *s_mpi;
+static PyObject *s_op, *s_broadcast, *s_data_ptr, *s_numel, *s_is_contiguous, *s_dtype, *s_seq, *s_mpi;
 
 /* a plan's program (_plans: ALLTOALLV...; NO_PROGRAM: only the Python hit runs it) and the
    ops p2p() runs (_plans: ISEND...) */
-enum { NO_PROGRAM = -1, ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT };
+enum { NO_PROGRAM = -1, ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, BROADCAST };
 enum { ISEND, IRECV, SEND, RECV };
 
 /* -- Plan: the one plan type -----------------------------------------------------------------
@@ -57,8 +62,8 @@ enum { ISEND, IRECV, SEND, RECV };
  * first one's is the plan's key in its table), their memory and sizes, the group as passed,
  * its Communicator and that one's mpi4py communicator, what the flight recorder writes, and
  * the program: (ALLREDUCE, comm, datatype, op), (ALLTOALLV, comm, datatype, int32 table, tag),
- * (SENDRECV, comm, datatype, int64 table, tag) or (POINT_TO_POINT, comm, datatype, count, MPI
- * peer), the handles as mpi4py's MPI._handleof ints; None where C cannot run it. */
+ * (SENDRECV, comm, datatype, int64 table, tag), (POINT_TO_POINT, comm, datatype, count, MPI
+ * peer) or (BROADCAST, comm, datatype, root), the handles as mpi4py's MPI._handleof ints; None where C cannot run it. */
 typedef struct {
     PyObject_HEAD
     PyObject *refs, *ptrs, *numels;       /* tuples, one item per tensor of the call */
@@ -142,12 +147,16 @@ static int unpack_program(Plan *p) {
         return -1;
     switch (code) {
     case ALLREDUCE:
+    case BROADCAST:
     case POINT_TO_POINT:
-        if (PyTuple_GET_SIZE(prog) != (code == ALLREDUCE ? 4 : 5))
-            return refuse_program("of an all_reduce is (ALLREDUCE, comm, datatype, op) and of "
-                                  "a send/recv (POINT_TO_POINT, comm, datatype, count, peer)");
+        if (PyTuple_GET_SIZE(prog) != (code == POINT_TO_POINT ? 5 : 4))
+            return refuse_program("of an all_reduce is (ALLREDUCE, comm, datatype, op), of a "
+                                  "broadcast (BROADCAST, comm, datatype, root) and of a "
+                                  "send/recv (POINT_TO_POINT, comm, datatype, count, peer)");
         if (code == ALLREDUCE)
             p->hop = (MPI_Op)(intptr_t)handle_at(prog, 3);
+        else if (code == BROADCAST)
+            p->mpi_peer = (int)PyLong_AsLong(PyTuple_GET_ITEM(prog, 3));
         else {
             count = PyLong_AsLongLong(PyTuple_GET_ITEM(prog, 3));
             p->mpi_peer = (int)PyLong_AsLong(PyTuple_GET_ITEM(prog, 4));
@@ -176,7 +185,8 @@ static int unpack_program(Plan *p) {
             return refuse_program("table does not fit its code");
         break;
     default:
-        return refuse_program("code is not ALLTOALLV, SENDRECV, ALLREDUCE or POINT_TO_POINT");
+        return refuse_program("code is not ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT or "
+                              "BROADCAST");
     }
     p->code = (int)code;
     return 0;
@@ -316,9 +326,10 @@ static PyObject *ring_entry(PyObject *seq, PyObject *const items[5]) {
     return entry;
 }
 
-/* the recorder's start(): [seq, OP, comm, shape, dtype, None, t_start, 0.0] into the ring,
+/* the recorder's start(): [seq, OP, comm, shape, dtype, PEER, t_start, 0.0] into the ring,
    comm.seq + 1 (hpcddp.diagnostics.recorder.FlightRecorder._make_start) */
-static PyObject *record_start(PyObject *comm, PyObject *op, PyObject *shape, PyObject *dtype) {
+static PyObject *record_start_peer(PyObject *comm, PyObject *op, PyObject *shape,
+                                   PyObject *dtype, PyObject *peer) {
     PyObject *seq = PyObject_GetAttr(comm, s_seq);
     if (seq == NULL)
         return NULL;
@@ -330,8 +341,12 @@ static PyObject *record_start(PyObject *comm, PyObject *op, PyObject *shape, PyO
         Py_XDECREF(next_seq);
         return NULL;
     }
-    PyObject *items[] = {op, comm, shape, dtype, Py_None};
+    PyObject *items[] = {op, comm, shape, dtype, peer};
     return ring_entry(next_seq, items);
+}
+
+static PyObject *record_start(PyObject *comm, PyObject *op, PyObject *shape, PyObject *dtype) {
+    return record_start_peer(comm, op, shape, dtype, Py_None);
 }
 
 /* 1 if T's dtype is DTYPE (torch dtypes are singletons: identity), 0 if not, -1 on error.
@@ -428,6 +443,41 @@ static PyObject *record_end(PyObject *entry, int rc) {
     entry_done(entry);
     Py_DECREF(entry);
     Py_RETURN_TRUE;
+}
+
+static PyObject *broadcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "broadcast(tensor, root, group): expected 3 arguments, "
+                     "got %zd", nargs);
+        return NULL;
+    }
+    if (!PyLong_CheckExact(args[1]))     /* the full path validates anything else */
+        Py_RETURN_FALSE;
+    PyObject *plan = find_plan(bplans, args[0]);
+    if (plan == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
+    Plan *p = (Plan *)plan;
+    PyObject *done = NULL;
+    int eq = Py_IS_TYPE(plan, &PlanType) && p->code == BROADCAST;
+    if (eq) {
+        long root = PyLong_AsLong(args[1]);
+        eq = root == -1 && PyErr_Occurred() ? -1 : root == p->mpi_peer;
+    }
+    if (eq == 1)
+        eq = plan_holds(p, args[0], args[2]);
+    if (eq == 1) {
+        PyObject *entry = record_start_peer(p->comm, s_broadcast, p->shape, p->dtype, p->peer);
+        if (entry != NULL) {
+            int rc;
+            Py_BEGIN_ALLOW_THREADS
+            rc = MPI_Bcast(p->buf, p->count, p->htype, p->mpi_peer, p->hcomm);
+            Py_END_ALLOW_THREADS
+            done = record_end(entry, rc);
+        }
+    } else if (eq == 0)
+        done = Py_NewRef(Py_False);
+    Py_DECREF(plan);
+    return done;
 }
 
 static PyObject *run_xplan(PyObject *plan, PyObject *tensors, PyObject *group);
@@ -872,10 +922,10 @@ static PyObject *run_pplan(PyObject *plan, long op, PyObject *const *args) {
 }
 
 static PyObject *configure(PyObject *self, PyObject *args) {
-    PyObject *p, *x, *r, *s, *t, *e, *q, *seq, *fut, *cerr;
-    if (!PyArg_ParseTuple(args, "O!O!O!OO!OO!O!OO:configure", &PyDict_Type, &p, &PyTuple_Type,
+    PyObject *p, *x, *r, *s, *t, *e, *q, *seq, *fut, *cerr, *b;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!OO!O!OOO!:configure", &PyDict_Type, &p, &PyTuple_Type,
                           &x, &PyList_Type, &r, &s, &PyList_Type, &t, &e, &PyTuple_Type, &q,
-                          &PyDict_Type, &seq, &fut, &cerr))
+                          &PyDict_Type, &seq, &fut, &cerr, &PyDict_Type, &b))
         return NULL;
     if (PyTuple_GET_SIZE(q) != 2 || !PyDict_Check(PyTuple_GET_ITEM(q, 0))
             || !PyDict_Check(PyTuple_GET_ITEM(q, 1)) || !PyCallable_Check(fut)
@@ -904,6 +954,7 @@ static PyObject *configure(PyObject *self, PyObject *args) {
     Py_XSETREF(p2p_seq, Py_NewRef(seq));
     Py_XSETREF(future_of, Py_NewRef(fut));
     Py_XSETREF(count_error, Py_NewRef(cerr));
+    Py_XSETREF(bplans, Py_NewRef(b));
     Py_RETURN_NONE;
 }
 
@@ -922,13 +973,16 @@ static PyMethodDef methods[] = {
      "exchange(kind, tensors, group) -> bool: run the planned blocking exchange of kind KIND "
      "(hpcddp.collectives._plans) on TENSORS and return True, or return False (no plan, or "
      "it no longer holds)."},
+    {"broadcast", (PyCFunction)(void (*)(void))broadcast, METH_FASTCALL,
+     "broadcast(tensor, root, group) -> bool: run the planned blocking broadcast of TENSOR "
+     "from ROOT and return True, or return False (no plan, or it no longer holds)."},
     {"p2p", (PyCFunction)(void (*)(void))p2p, METH_FASTCALL,
      "p2p(op, tensor, peer, tag, group): run the planned send/recv of TENSOR (op ISEND or "
      "IRECV: return its P2PWork; SEND: True; RECV: the sender's rank), or return False (no "
      "plan, or it no longer holds)."},
     {"configure", configure, METH_VARARGS,
      "configure(plans, xplans, ring, slots, tick, mpi_exception, pplans, p2p_seq, future_of, "
-     "count_error): what the hits read."},
+     "count_error, bplans): what the hits read."},
     {"library_version", library_version, METH_NOARGS,
      "MPI_Get_library_version() of the MPI this module was built and linked with."},
     {NULL, NULL, 0, NULL}};
@@ -938,13 +992,14 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastpath",
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
     s_op = PyUnicode_InternFromString("all_reduce");
+    s_broadcast = PyUnicode_InternFromString("broadcast");
     s_data_ptr = PyUnicode_InternFromString("data_ptr");
     s_numel = PyUnicode_InternFromString("numel");
     s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
     s_dtype = PyUnicode_InternFromString("dtype");
     s_seq = PyUnicode_InternFromString("seq");
     s_mpi = PyUnicode_InternFromString("mpi");
-    if (!s_op || !s_data_ptr || !s_numel || !s_is_contiguous || !s_dtype || !s_seq || !s_mpi)
+    if (!s_op || !s_broadcast || !s_data_ptr || !s_numel || !s_is_contiguous || !s_dtype || !s_seq || !s_mpi)
         return NULL;
     if (PyType_Ready(&P2PWorkType) < 0 || PyType_Ready(&PlanType) < 0)
         return NULL;

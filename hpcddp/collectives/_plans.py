@@ -1,7 +1,7 @@
 """Plans: what an op looked up last time for its tensors, so the next call need not.
 
-all_reduce(SUM) plans first; the exchange plans (all_to_all_single, all_gather, all_to_all)
-below them.
+all_reduce(SUM) plans first, then broadcast plans; the exchange plans (all_to_all_single,
+all_gather, all_to_all) below them.
 
 DDP's buckets, loss and metric reductions reduce the same tensors every step. A plan (one
 Plan type for every kind, below) keeps, per tensor (by identity, through a weak reference),
@@ -47,7 +47,7 @@ ENV_MODE = "HPCDDP_FASTPATH"
 # and holds a weak reference to it (refs[0]): that tensor's death drops the plan, and a new
 # id() reusing the key finds the reference dead or another object, so the hit refuses it. A
 # full table is cleared: the plans come back on the next calls.
-ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT = range(4)   # programs (_fastpath.c's enum)
+ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, BROADCAST = range(5)  # programs (_fastpath.c)
 
 
 class PyPlan:
@@ -117,6 +117,42 @@ def hit_py(tensor, group) -> bool:
     return False
 
 
+# -- broadcast plans ---------------------------------------------------------------------------
+# A blocking broadcast of a tensor broadcast before from the same root on the same group (model
+# and buffer syncs, a step's small config or flag tensors): what the full path checked is
+# the plan; the hit records the op and runs MPI_Bcast (in C: 1.3-1.5 us raw against ~8 us
+# through the full Python path at 4 B, docs/benchmarks.md "Where each path starts").
+bplans: dict = {}     # id(tensor) -> plan
+
+
+def make_bplan(tensor, group, comm, arr, root: int) -> None:
+    """Remember a validated broadcast of TENSOR from group rank ROOT on COMM (reached
+    through GROUP) that MPI's Bcast ran."""
+    if arr.nbytes >= AGREE_BYTES:
+        return           # large calls take the full path, whose record() agrees on the call
+    datatype = datatype_handle(arr)
+    root = int(root)
+    prog = None if datatype is None else (BROADCAST, MPI._handleof(comm.mpi), datatype, root)
+    remember(bplans, (tensor,), group, comm, "broadcast", tensor.shape, tensor.dtype,
+             partial(comm.mpi.Bcast, arr, root=root), prog, peer=root)
+
+
+def bhit_py(tensor, root, group) -> bool:
+    """Run TENSOR's planned broadcast from ROOT on GROUP and answer True, or answer False when
+    there is no plan or it no longer holds (the caller takes the full path)."""
+    plan = bplans.get(id(tensor))
+    if plan is not None and type(root) is int and plan.peer == root \
+            and (plan.group is group or plan.comm is group) \
+            and plan.refs[0]() is tensor and plan.ptrs[0] == tensor.data_ptr() \
+            and plan.numels[0] == tensor.numel() and plan.comm.mpi is plan.mpi \
+            and tensor.is_contiguous() and tensor.dtype is plan.dtype:
+        entry = record(plan.comm, "broadcast", plan.shape, plan.dtype, root)
+        plan.run()
+        record_end(entry)
+        return True
+    return False
+
+
 # -- exchange plans ----------------------------------------------------------------------------
 # The blocking all_to_all_single (even blocks), all_gather and all_to_all (list forms) of the
 # same tensors, called again: most of their fixed cost was Python checking what it had checked
@@ -125,7 +161,8 @@ def hit_py(tensor, group) -> bool:
 # checks found; a hit verifies every tensor is the same object with the same memory, element
 # count and contiguity, on the same live communicator, then records the op and runs it.
 A2A_SINGLE, ALL_GATHER, ALL_TO_ALL = range(3)
-PLANNED_OPS = ("all_reduce", "all_to_all_single", "all_gather", "all_to_all")   # + send/recv (C)
+PLANNED_OPS = ("all_reduce", "broadcast", "all_to_all_single", "all_gather",
+               "all_to_all")   # + send/recv (C)
 xplans: tuple = ({}, {}, {})   # per kind: id(first tensor of the call) -> plan
 # an exchange plan's program (what the C hit runs; None: only the Python hit runs the plan):
 #   (ALLTOALLV, comm, datatype, int32 [send counts, send displs, recv counts, recv displs],
@@ -238,7 +275,7 @@ def _load_c():
                       f"({theirs.splitlines()[0]!r}): reinstall hpcddp")
     ring, slots, clock, p2p_seq = _rec.RECORDER.native_writer()
     _fastpath.configure(plans, xplans, ring, slots, clock, MPI.Exception, pplans, p2p_seq,
-                        future_of, count_error)
+                        future_of, count_error, bplans)
     return _fastpath, ""
 
 
@@ -251,6 +288,7 @@ else:
         raise ImportError(f"{ENV_MODE}=force: the C all_reduce hit cannot run: {WHY_PYTHON}")
 Plan = PyPlan if _c is None else _c.Plan
 hit = hit_py if _c is None else _c.all_reduce_sum
+bhit = bhit_py if _c is None else _c.broadcast
 xhit = xhit_py if _c is None else _c.exchange
 phit = _no_phit if _c is None else _c.p2p
 if _c is not None:

@@ -12,7 +12,8 @@ from hpcddp.collectives import _cma
 from hpcddp.collectives import _hier
 from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
-from hpcddp.collectives._plans import ALL_GATHER, xhit as _xhit
+from hpcddp.collectives import _plans
+from hpcddp.collectives._plans import ALL_GATHER, bhit as _bcast_hit, xhit as _xhit
 from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, check_list,
                                         finish_or_work, record_call, record_end, resolve,
                                         same_spec)
@@ -47,6 +48,10 @@ def broadcast(tensor, src, group=None, async_op=False):
 
     Rank SRC holds x before; every rank holds x after.
     """
+    # the plan-hit row (hpcddp.collectives._plans): a tensor broadcast before from SRC;
+    # blocking whatever async_op (see _broadcast_mpi), as all_reduce's
+    if not _engine.pending and not (async_op and _engine.on()) and _bcast_hit(tensor, src, group):
+        return None if not async_op else CompletedWork([tensor])
     call = _one("broadcast", tensor, group, async_op, "src", src)
     if not call.device:
         record_call(call, "broadcast", tensor.shape, tensor.dtype, src)
@@ -82,6 +87,8 @@ def _broadcast_mpi(c: Call):
         if not _large.too_big(c.arr):
             raise
         _large.bcast_now(c.comm, c.arr, c.root)
+    else:
+        _plans.make_bplan(c.tensor, c.group, c.comm, c.arr, c.root)
     record_end(c.entry)
     return CompletedWork([c.tensor]) if c.async_op else None
 

@@ -196,7 +196,9 @@ PATHS: dict[str, tuple[Path, ...]] = {
     "all_reduce": (Path("plan hit", f"SUM of a tensor reduced before, below {_mib(AGREE_BYTES)}",
                         _plan_hit, before_call=True), *DEVICE, ARENA, HIER, RING,
                    _mpi("Allreduce")),
-    "broadcast": (*DEVICE, Path("CMA", RACED, _cma_state,
+    "broadcast": (Path("plan hit", "a tensor broadcast before from the same root, blocking, "
+                       f"below {_mib(AGREE_BYTES)}", _plan_hit, before_call=True), *DEVICE,
+                  Path("CMA", RACED, _cma_state,
                                min_bytes=_cma.MIN_BYTES, applies=_cma_applies), HIER,
                   _mpi("Bcast")),
     "reduce": (*DEVICE, _mpi("Reduce")),
