@@ -7,10 +7,12 @@ its point-to-point is steady (8 MiB exchanges at 117-121 MB/s): docs/benchmarks.
 the bound) whose blocks travel as CHUNK-byte messages, each chunk added as it arrives, keeps
 the link busy: 0.9-0.95 of gloo at 4 nodes in the prototype (scripts/vcluster/busbw.py ring).
 
-Used for SUM (and AVG, PREMUL_SUM: scaled around it) of the dtypes numpy adds natively, from
-MIN_BYTES, in groups whose ranks span several nodes (``HPCDDP_RING``: 0, auto, force). The
-messages go over a private duplicate of the group's communicator, so they never meet the
-user's point-to-point messages.
+Used for SUM (and AVG, PREMUL_SUM: scaled around it) of the dtypes numpy adds natively, in
+groups whose ranks span several nodes, from the size where a race against MPI's Allreduce on
+the group's first such call finds it faster (_node.crossover, 1 to 8 MiB: with several ranks
+per node a flat ring crosses each link twice and loses to MPI; ``HPCDDP_RING``: 0, auto,
+force, which skips the race and serves from MIN_BYTES). The messages go over a private
+duplicate of the group's communicator, so they never meet the user's point-to-point messages.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from hpcddp.collectives import _node
 from hpcddp.comm._mpi import MPI
 
 MIN_BYTES = 1 << 20
+LADDER = tuple(n for n in _node.LADDER if MIN_BYTES <= n <= 8 << 20)
 CHUNK = 1 << 20
 MODE = settings.get().ring
 ADDABLE = frozenset(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
@@ -35,8 +38,14 @@ def usable(comm, nbytes: int, arr, mop) -> bool:
     """Whether an all_reduce of ARR (NBYTES) with MPI op MOP on COMM takes the ring (the same
     answer on every rank of COMM: the call's arguments agree, and the group's layout is
     found collectively on first use)."""
-    return (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and mop == MPI.SUM
-            and arr.dtype in ADDABLE and ring(comm) is not None)
+    if not (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and mop == MPI.SUM
+            and arr.dtype in ADDABLE):
+        return False
+    r = ring(comm)
+    if r is None:
+        return False
+    start = r.starts.start("all_reduce")
+    return start is not None and nbytes >= start
 
 
 def ring(comm):
@@ -45,8 +54,17 @@ def ring(comm):
 
 
 class Ring:
-    def __init__(self, mpi):
+    def __init__(self, comm, mpi):
+        self.comm = comm
         self.mpi = mpi            # a private duplicate of the group's communicator
+        self.starts = _node.Starts("ring", comm, self._race_pair, MODE == "force", MIN_BYTES,
+                                   LADDER)
+
+    def _race_pair(self, op: str, nbytes: int):
+        """The ring's all_reduce and MPI's on NBYTES of scratch float32 (the start-up race)."""
+        arr = np.full(nbytes // 4, 0.0, np.float32)      # touched: no page faults timed
+        mpi = self.comm.mpi
+        return lambda: self.all_reduce(arr), lambda: mpi.Allreduce(MPI.IN_PLACE, arr, MPI.SUM)
 
     @classmethod
     def make(cls, comm):
@@ -54,7 +72,7 @@ class Ring:
         nodes = comm.mpi.allgather(startup.get_topology().node)
         if MODE != "force" and len(set(nodes)) < 2:
             return None
-        return cls(comm.mpi.Dup())
+        return cls(comm, comm.mpi.Dup())
 
     def all_reduce(self, arr: np.ndarray) -> None:
         """ARR (contiguous, 1-D) summed over the group's ranks, in place on every rank."""

@@ -110,7 +110,7 @@ def _node_local(mode: str, variable: str, opened, unopened: str, raced: dict | N
             return f"open from {_mib(start)} ({variable}=force: no race)"
         found = starts.found[raced[op]]
         if start is None:
-            return (f"closed (MPI faster at every size raced, up to "
+            return (f"closed (not {_node.MARGIN} faster than MPI at any size raced, up to "
                     f"{_mib(found.steps[-1][0])}: {found.why()})")
         return f"open from {_mib(start)} ({found.why()})"
     return state
@@ -180,10 +180,9 @@ LISTS = Path("point-to-point", "the list form", _p2p_lists, applies=_lists_appli
 HIER = Path("hierarchical", f"several nodes, the same number of ranks on each, {RACED}",
             _hier_state, min_bytes=_hier.MIN_BYTES,
             applies=_hier_applies)
-RING = Path("ring", "SUM/AVG/PREMUL_SUM of float32/64, int32/64, several nodes, from "
-            f"{_mib(_ring.MIN_BYTES)}", _node_local("ring", "HPCDDP_RING",
-                                                     lambda c: _ring.ring(c),
-                                                     "the group is on one node"),
+RING = Path("ring", f"SUM/AVG/PREMUL_SUM of float32/64, int32/64, several nodes, {RACED}",
+            _node_local("ring", "HPCDDP_RING", lambda c: _ring.ring(c),
+                        "the group is on one node", {"all_reduce": "all_reduce"}),
             min_bytes=_ring.MIN_BYTES, applies=_ring_applies)
 PIECES = "; over MPI's count limit of 2^31-1 elements, in pieces"
 

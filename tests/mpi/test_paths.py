@@ -136,7 +136,7 @@ def test_a_path_serves_each_op_from_the_size_its_race_found(world, monkeypatch):
     # up the ladder until the arena won at two sizes in a row
     assert raced == [("all_reduce", b) for b in _node.LADDER[:5]] + \
         [("reduce_scatter", b) for b in _node.LADDER[:2]], raced
-    assert _state(world, "all_reduce", "shm arena").startswith("open from 2 MiB (MPI faster "
+    assert _state(world, "all_reduce", "shm arena").startswith("open from 2 MiB (not 5% faster "
                                                                "at 1 MiB: this path 2.00 ms")
     assert _state(world, "reduce_scatter_tensor", "shm arena").startswith(
         "open from 256 KiB (faster at 256 KiB: this path 1.00 ms, MPI 1.50 ms")
@@ -154,5 +154,5 @@ def test_a_path_that_loses_at_every_size_is_closed_and_says_why(world, monkeypat
     assert torch.equal(t, torch.full_like(t, world.size - 1)) and calls == []
     assert [nbytes for _, nbytes in raced] == list(_cma.LADDER)
     state = _state(world, "broadcast", "CMA")
-    assert state.startswith("closed (MPI faster at every size raced, up to 32 MiB: MPI faster "
-                            "at 32 MiB: this path 2.00 ms, MPI 1.00 ms; race "), state
+    assert state.startswith("closed (not 5% faster than MPI at any size raced, up to 32 MiB: "
+                            "not 5% faster at 32 MiB: this path 2.00 ms, MPI 1.00 ms; race "), state

@@ -13,8 +13,9 @@ import torch.distributed as dist
 import hpcddp
 from hpcddp.collectives import _ring, paths
 
-# emulated nodes share one host's shared memory: the arena would take the calls first
-MPI_ENV = {"HPCDDP_RANKS_PER_NODE": "1", "HPCDDP_SHM_ALLREDUCE": "0"}
+# emulated nodes share one host's shared memory: the arena would take the calls first, and
+# MPI's shared-memory Allreduce would win the ring's start-up race (force skips it)
+MPI_ENV = {"HPCDDP_RANKS_PER_NODE": "1", "HPCDDP_SHM_ALLREDUCE": "0", "HPCDDP_RING": "force"}
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning")
 
 

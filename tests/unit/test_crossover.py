@@ -49,7 +49,7 @@ def test_the_path_serves_from_the_first_of_two_wins_in_a_row(monkeypatch, wins, 
 
 def test_the_decision_says_which_sizes_decided_it(monkeypatch):
     found, _ = _decide(monkeypatch, "lllwwww")
-    assert found.why().startswith("MPI faster at 1 MiB: this path 2000.00 ms, MPI 1000.00 ms; "
+    assert found.why().startswith("not 5% faster at 1 MiB: this path 2000.00 ms, MPI 1000.00 ms; "
                                   "faster at 2 MiB: this path 1000.00 ms, MPI 2000.00 ms; race ")
 
 
