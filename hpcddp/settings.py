@@ -208,7 +208,8 @@ VARS: tuple[Var, ...] = (
         "multinode-testing.md"),
     Var("HPCDDP_RING", _path_mode, "auto", "0, 1/auto, force",
         "large SUM/AVG all_reduce across nodes as a pipelined ring over point-to-point "
-        "(auto: groups spanning several nodes)", "benchmarks.md"),
+        "(auto: groups spanning several nodes, from the size where a start-up race finds it "
+        "faster than MPI; force: from 1 MiB, also on one node, no race)", "benchmarks.md"),
     Var("HPCDDP_FASTPATH", _path_mode, "auto", "0, 1/auto, force",
         "repeat calls run in the C module (0: the Python hit)", "benchmarks.md"),
     Var("HPCDDP_LIST_P2P_MAX_RANKS", _positive_int, 8, "ranks",

@@ -46,10 +46,7 @@ from hpcddp.comm._mpi import MPI
 # The smallest size the race tries: below it this path's fixed cost (an Allgather and an
 # Allreduce) is larger than what the split copy saves (docs/benchmarks.md, "Cross-memory attach")
 MIN_BYTES = _node.LADDER[0]
-# up to 32 MiB: at 8-16 MiB the root's and a receiver's buffers still fit this machine's 32 MiB
-# L3, where MPI's one copy can tie with two half copies; above the ladder the decision at its
-# top holds, so the top must be a size whose buffers do not fit
-LADDER = _node.LADDER + (32 << 20,)
+LADDER = _node.LADDER_LARGE
 ENV_MODE = "HPCDDP_CMA"
 MODE = settings.get().cma
 ALIGN = 64           # parts start on cache lines: no line is written by two copies at once

@@ -69,6 +69,11 @@ class Crossover:
 # op and ranks per node (docs/benchmarks.md, "Where each path starts"); a fixed size is wrong
 # on some machine for the calls between the fixed size and the real crossover.
 LADDER = tuple((256 << 10) << i for i in range(7))           # 256 KiB .. 16 MiB
+# Above its ladder a path serves as it did at the top size, so one slow try there closes it for
+# every larger call. The node-local paths go up to 32 MiB, where their lead over MPI is widest
+# (the arena 2.5-3x, the split broadcast 1.4x here) and their buffers no longer fit a 32 MiB L3
+# (at 8-16 MiB MPI's one-copy broadcast can tie with two half copies in cache).
+LADDER_LARGE = LADDER + (32 << 20,)
 TRIES = 3
 # A size counts as won only where the path took at most this fraction of MPI's time: near a
 # tie the best of 3 favours whichever path varies more, and a user compares against MPI

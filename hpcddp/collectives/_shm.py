@@ -103,7 +103,8 @@ class Arena:
         n = comm.size
         words = memoryview(mem)[n * n * slot:].cast("q")     # int64s: plain Python indexing
         self.calls = words[::CALL_LINE // 8]
-        self.starts = _node.Starts("shm arena", comm, self._race_pair, MODE == "force", MIN_BYTES)
+        self.starts = _node.Starts("shm arena", comm, self._race_pair, MODE == "force", MIN_BYTES,
+                                   _node.LADDER_LARGE)
 
     def _agreed(self, check) -> bool:
         """Called right after the first barrier of a call, for which every rank wrote the hash
