@@ -243,6 +243,35 @@ SCRIPT = textwrap.dedent(r'''
     else:
         raise AssertionError("all_to_all_single wrote a strided tensor")
 
+    AGT = _plans.ALL_GATHER_TENSOR
+    for dtype in (torch.float32, torch.int64, torch.bfloat16):
+        src = (torch.arange(5) + 10 * r).to(dtype)
+        dst = torch.zeros(5 * n, dtype=dtype)
+        want = torch.cat([(torch.arange(5) + 10 * j).to(dtype) for j in range(n)])
+        for i in range(3):                   # planned on the second call, hit from the third
+            dst.zero_(); hpcddp.all_gather_into_tensor(dst, src)
+            same(dst, want, f"all_gather_into_tensor {dtype} #{i}")
+        assert id(dst) in _plans.xplans[AGT], f"no all_gather_into_tensor plan for {dtype}"
+        dst.zero_(); assert hit(AGT, (dst, src)), f"planned all_gather_into_tensor {dtype} missed"
+        same(dst, want, f"all_gather_into_tensor hit {dtype}")
+        dst.zero_(); dist.all_gather_into_tensor(dst, src)
+        same(dst, want, f"dist.all_gather_into_tensor {dtype} after the plan")
+    src.add_(1); want = want + 1             # new values, same tensors: the plan still holds
+    dst.zero_(); hpcddp.all_gather_into_tensor(dst, src); same(dst, want, "agt new values")
+    dst2 = torch.zeros(5 * n, dtype=src.dtype)   # another output: no hit, right answer
+    assert not hit(AGT, (dst2, src)), "hit with another output"
+    hpcddp.all_gather_into_tensor(dst2, src); same(dst2, want, "agt another output")
+    w = hpcddp.all_gather_into_tensor(dst, src, async_op=True); w.wait()
+    same(dst, want, "agt async after a plan")
+    src.resize_(3)                            # fewer elements: the full path refuses the size
+    assert not hit(AGT, (dst, src)), "hit after resize_"
+    try:
+        hpcddp.all_gather_into_tensor(dst, src)
+    except ValueError as e:
+        assert "elements" in str(e), e
+    else:
+        raise AssertionError("all_gather_into_tensor took a wrong-sized input")
+
     t = torch.full((3,), float(r))
     lst = [torch.zeros(3) for _ in range(n)]
     want = [torch.full((3,), float(j)) for j in range(n)]

@@ -7,7 +7,7 @@
  * MPI_Allreduce with the GIL released (as mpi4py releases it).
  *
  * exchange() does the same for the blocking all_to_all_single (even blocks), all_gather and
- * all_to_all (list forms) called again on the same tensors: every tensor of the call checked
+ * all_to_all (list forms) and all_gather_into_tensor called again on the same tensors: every tensor of the call checked
  * against the plan, the entry, then the plan's program (MPI_Ialltoallv + MPI_Wait, or the own
  * block's memmove and MPI_Sendrecv steps) with the GIL released.
  *
@@ -54,7 +54,7 @@ static PyObject *s_op, *s_broadcast, *s_data_ptr, *s_numel, *s_is_contiguous, *s
 
 /* a plan's program (_plans: ALLTOALLV...; NO_PROGRAM: only the Python hit runs it) and the
    ops p2p() runs (_plans: ISEND...) */
-enum { NO_PROGRAM = -1, ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, BROADCAST };
+enum { NO_PROGRAM = -1, ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, BROADCAST, ALLGATHER };
 enum { ISEND, IRECV, SEND, RECV };
 
 /* -- Plan: the one plan type -----------------------------------------------------------------
@@ -63,7 +63,8 @@ enum { ISEND, IRECV, SEND, RECV };
  * its Communicator and that one's mpi4py communicator, what the flight recorder writes, and
  * the program: (ALLREDUCE, comm, datatype, op), (ALLTOALLV, comm, datatype, int32 table, tag),
  * (SENDRECV, comm, datatype, int64 table, tag), (POINT_TO_POINT, comm, datatype, count, MPI
- * peer) or (BROADCAST, comm, datatype, root), the handles as mpi4py's MPI._handleof ints; None where C cannot run it. */
+ * peer), (BROADCAST, comm, datatype, root) or (ALLGATHER, comm, datatype, count: each rank's
+ * block), the handles as mpi4py's MPI._handleof ints; None where C cannot run it. */
 typedef struct {
     PyObject_HEAD
     PyObject *refs, *ptrs, *numels;       /* tuples, one item per tensor of the call */
@@ -146,6 +147,17 @@ static int unpack_program(Plan *p) {
     if (PyErr_Occurred())
         return -1;
     switch (code) {
+    case ALLGATHER:
+        if (PyTuple_GET_SIZE(prog) != 4 || n != 2)
+            return refuse_program("of an all_gather_into_tensor is (ALLGATHER, comm, datatype, "
+                                  "count) on (output, input)");
+        count = PyLong_AsLongLong(PyTuple_GET_ITEM(prog, 3));
+        if (PyErr_Occurred())
+            return -1;
+        if (count < 0 || count > INT_MAX)
+            return 0;
+        p->count = (int)count;
+        break;
     case ALLREDUCE:
     case BROADCAST:
     case POINT_TO_POINT:
@@ -185,8 +197,8 @@ static int unpack_program(Plan *p) {
             return refuse_program("table does not fit its code");
         break;
     default:
-        return refuse_program("code is not ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT or "
-                              "BROADCAST");
+        return refuse_program("code is not ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, "
+                              "BROADCAST or ALLGATHER");
     }
     p->code = (int)code;
     return 0;
@@ -508,7 +520,8 @@ static PyObject *exchange(PyObject *self, PyObject *const *args, Py_ssize_t narg
 static PyObject *run_xplan(PyObject *plan, PyObject *tensors, PyObject *group) {
     Plan *p = (Plan *)plan;
     Py_ssize_t n = PyTuple_GET_SIZE(tensors);
-    if (!Py_IS_TYPE(plan, &PlanType) || (p->code != ALLTOALLV && p->code != SENDRECV)
+    if (!Py_IS_TYPE(plan, &PlanType)
+            || (p->code != ALLTOALLV && p->code != SENDRECV && p->code != ALLGATHER)
             || PyTuple_GET_SIZE(p->refs) != n)
         Py_RETURN_FALSE;
     int eq = group_holds(p, group);
@@ -534,6 +547,10 @@ static PyObject *run_xplan(PyObject *plan, PyObject *tensors, PyObject *group) {
                             p->htype, p->hcomm, &req);
         if (rc == MPI_SUCCESS)
             rc = MPI_Wait(&req, MPI_STATUS_IGNORE);
+    } else if (p->code == ALLGATHER) {
+        /* blocking, as the Python path's (all_gather_into_tensor runs it blocking whatever
+           async_op) */
+        rc = MPI_Allgather(p->in, p->count, p->htype, p->buf, p->count, p->htype, p->hcomm);
     } else {
         const int64_t *t = (const int64_t *)p->table;
         if (t[2] > 0)                     /* this rank's own block (memmove: may overlap) */

@@ -47,7 +47,7 @@ ENV_MODE = "HPCDDP_FASTPATH"
 # and holds a weak reference to it (refs[0]): that tensor's death drops the plan, and a new
 # id() reusing the key finds the reference dead or another object, so the hit refuses it. A
 # full table is cleared: the plans come back on the next calls.
-ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, BROADCAST = range(5)  # programs (_fastpath.c)
+ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, BROADCAST, ALLGATHER = range(6)  # _fastpath.c
 
 
 class PyPlan:
@@ -160,19 +160,21 @@ def bhit_py(tensor, root, group) -> bool:
 # `python -m hpcddp.bench.dispatch`, docs/benchmarks.md). A plan keeps, per call, what those
 # checks found; a hit verifies every tensor is the same object with the same memory, element
 # count and contiguity, on the same live communicator, then records the op and runs it.
-A2A_SINGLE, ALL_GATHER, ALL_TO_ALL = range(3)
+A2A_SINGLE, ALL_GATHER, ALL_TO_ALL, ALL_GATHER_TENSOR = range(4)
 PLANNED_OPS = ("all_reduce", "broadcast", "all_to_all_single", "all_gather",
-               "all_to_all")   # + send/recv (C)
-xplans: tuple = ({}, {}, {})   # per kind: id(first tensor of the call) -> plan
+               "all_to_all", "all_gather_into_tensor")   # + send/recv (C)
+xplans: tuple = ({}, {}, {}, {})   # per kind: id(first tensor of the call) -> plan
 # an exchange plan's program (what the C hit runs; None: only the Python hit runs the plan):
 #   (ALLTOALLV, comm, datatype, int32 [send counts, send displs, recv counts, recv displs],
 #       0): MPI_Ialltoallv + MPI_Wait from the call's tensor 1 into its tensor 0
 #   (SENDRECV, comm, datatype, int64 [copy dst, copy src, copy bytes, then per step: send
 #       pointer, count, dst, recv pointer, count, src], tag): the own-block memcpy, then
 #       MPI_Sendrecv steps with the tag (hpcddp.collectives._lists._exchange)
+#   (ALLGATHER, comm, datatype, count): MPI_Allgather of COUNT elements from the call's tensor 1
+#       into its tensor 0 (all_gather_into_tensor)
 
 
-_seen: tuple = ({}, {}, {})     # per kind: id(first tensor) -> (ids of the call's tensors, plans made)
+_seen: tuple = ({}, {}, {}, {})     # per kind: id(first tensor) -> (ids of the call's tensors, plans made)
 MAX_REPLANS = 3
 
 

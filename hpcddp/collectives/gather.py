@@ -13,12 +13,14 @@ from hpcddp.collectives import _hier
 from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
 from hpcddp.collectives import _plans
-from hpcddp.collectives._plans import ALL_GATHER, bhit as _bcast_hit, xhit as _xhit
+from hpcddp.collectives._plans import (ALL_GATHER, ALL_GATHER_TENSOR, bhit as _bcast_hit,
+                                       xhit as _xhit)
 from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, check_list,
                                         finish_or_work, record_call, record_end, resolve,
                                         same_spec)
 from hpcddp.collectives import _device
 from hpcddp.collectives import engine as _engine
+from hpcddp.comm._mpi import MPI
 from hpcddp.collectives.paths import Call, pair, route, take
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.diagnostics import mismatch as _mismatch
@@ -104,6 +106,10 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
 
     output_tensor: n * input.numel() elements (n stacked or concatenated blocks).
     """
+    # the plan-hit row: the same blocking call on the same tensors again (collectives._plans)
+    if not async_op and not _engine.pending \
+            and _xhit(ALL_GATHER_TENSOR, (output_tensor, input_tensor), group):
+        return None
     fn = "all_gather_into_tensor"
     call = pair(fn, output_tensor, input_tensor, group, async_op, "output_tensor",
                 "input_tensor")
@@ -142,8 +148,21 @@ def _all_gather_into_tensor_mpi(c: Call):
     # same call either way; and Open MPI's blocking Allgather is faster than Iallgather + Wait
     # at mid sizes (docs/benchmarks.md). async_op: a completed Work.
     c.comm.mpi.Allgather(c.inp, c.out)
+    if not c.async_op and c.inp.size and \
+            _plans.worth_planning(ALL_GATHER_TENSOR, (c.output, c.input)):
+        _plan_all_gather_into_tensor(c)
     record_end(c.entry)
     return CompletedWork([c.output]) if c.async_op else None
+
+
+def _plan_all_gather_into_tensor(c: Call) -> None:
+    """Plan the validated blocking call on C's tensors (MPI's Allgather ran it) for the next."""
+    mpi, inp, out = c.comm.mpi, c.inp, c.out
+    datatype = _plans.datatype_handle(inp)
+    prog = None if datatype is None else (_plans.ALLGATHER, MPI._handleof(mpi), datatype,
+                                          inp.size)
+    _plans.make_xplan(ALL_GATHER_TENSOR, (c.output, c.input), c.group, c.comm, "all_gather",
+                      c.input.shape, c.input.dtype, lambda: mpi.Allgather(inp, out), prog)
 
 
 _ALL_GATHER_INTO_TENSOR = route("all_gather_into_tensor", device=_all_gather_into_tensor_device,

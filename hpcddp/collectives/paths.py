@@ -206,7 +206,7 @@ PATHS: dict[str, tuple[Path, ...]] = {
                        _mpi("Reduce_scatter_block", pieces=False)),
     "reduce_scatter_tensor": (*DEVICE, ARENA, HIER, _mpi("Reduce_scatter_block", pieces=False)),
     "all_gather": (PLAN, *DEVICE, LISTS, _mpi("Allgather")),
-    "all_gather_into_tensor": (*DEVICE, HIER, _mpi("Allgather")),
+    "all_gather_into_tensor": (PLAN, *DEVICE, HIER, _mpi("Allgather")),
     "gather": (*DEVICE, _mpi("Gather(v)")),
     "scatter": (*DEVICE, _mpi("Scatter(v)")),
     "all_to_all": (PLAN, *DEVICE, LISTS, _mpi("Ialltoallv", pieces=False)),
