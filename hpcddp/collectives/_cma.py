@@ -95,13 +95,8 @@ _peers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicato
 def usable(comm, nbytes: int) -> bool:
     """Whether a broadcast of NBYTES on COMM should take this path (the same answer on every
     rank: a collective's arguments agree across ranks)."""
-    if not (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1):
-        return False
-    p = peers(comm)
-    if p is None:
-        return False
-    start = p.starts.start("broadcast")
-    return start is not None and nbytes >= start
+    return MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and \
+        _node.serves(peers(comm), "broadcast", nbytes)
 
 
 def peers(comm):

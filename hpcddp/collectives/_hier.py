@@ -57,13 +57,8 @@ _groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicat
 def usable(comm, nbytes: int, op: str = "all_reduce") -> bool:
     """Whether OP (a key of RACED) of NBYTES on COMM should take this path (the same answer on
     every rank of COMM)."""
-    if not (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 3):
-        return False
-    h = hier(comm)
-    if h is None:
-        return False
-    start = h.starts.start(RACED[op])
-    return start is not None and nbytes >= start
+    return MODE != "0" and nbytes >= MIN_BYTES and comm.size > 3 and \
+        _node.serves(hier(comm), RACED[op], nbytes)
 
 
 def agree(comm, entry, red=None) -> None:

@@ -121,6 +121,15 @@ def crossover(path: str, op: str, comm, pair, ladder=LADDER) -> Crossover:
     return found
 
 
+def serves(path, op: str, nbytes: int) -> bool:
+    """Whether PATH (a path's object for the group, with ``starts``; None: not open to the
+    group) serves OP at NBYTES; OP's race runs on the first ask (collective)."""
+    if path is None:
+        return False
+    start = path.starts.start(op)
+    return start is not None and nbytes >= start
+
+
 class Starts:
     """A path's crossover per op on its group, raced on the op's first call that could take
     the path (collective: every rank of the group makes that call); FORCED: the mode that

@@ -101,15 +101,24 @@ def make_plan(tensor, group, comm, arr, mop) -> None:
              partial(comm.mpi.Allreduce, IN_PLACE, arr, mop), prog)
 
 
-def hit_py(tensor, group) -> bool:
-    """Run TENSOR's planned SUM all_reduce on GROUP and answer True, or answer False when
-    there is no plan or it no longer holds (the caller takes the full path)."""
-    plan = plans.get(id(tensor))
+def _holding(table: dict, tensor, group):
+    """TABLE's plan for TENSOR on GROUP where it still holds (this object, memory, element
+    count, one block, dtype; the group as planned, its communicator alive), else None."""
+    plan = table.get(id(tensor))
     if plan is not None and (plan.group is group or plan.comm is group) \
             and plan.refs[0]() is tensor and plan.ptrs[0] == tensor.data_ptr() \
             and plan.numels[0] == tensor.numel() and plan.comm.mpi is plan.mpi \
             and tensor.is_contiguous() and tensor.dtype is plan.dtype:
         # in-place as_strided_ and `t.data = t.view(torch.int32)` keep memory and size
+        return plan
+    return None
+
+
+def hit_py(tensor, group) -> bool:
+    """Run TENSOR's planned SUM all_reduce on GROUP and answer True, or answer False when
+    there is no plan or it no longer holds (the caller takes the full path)."""
+    plan = _holding(plans, tensor, group)
+    if plan is not None:
         entry = record(plan.comm, "all_reduce", plan.shape, plan.dtype)
         plan.run()
         record_end(entry)
@@ -140,12 +149,8 @@ def make_bplan(tensor, group, comm, arr, root: int) -> None:
 def bhit_py(tensor, root, group) -> bool:
     """Run TENSOR's planned broadcast from ROOT on GROUP and answer True, or answer False when
     there is no plan or it no longer holds (the caller takes the full path)."""
-    plan = bplans.get(id(tensor))
-    if plan is not None and type(root) is int and plan.peer == root \
-            and (plan.group is group or plan.comm is group) \
-            and plan.refs[0]() is tensor and plan.ptrs[0] == tensor.data_ptr() \
-            and plan.numels[0] == tensor.numel() and plan.comm.mpi is plan.mpi \
-            and tensor.is_contiguous() and tensor.dtype is plan.dtype:
+    plan = _holding(bplans, tensor, group) if type(root) is int else None
+    if plan is not None and plan.peer == root:
         entry = record(plan.comm, "broadcast", plan.shape, plan.dtype, root)
         plan.run()
         record_end(entry)

@@ -38,14 +38,8 @@ def usable(comm, nbytes: int, arr, mop) -> bool:
     """Whether an all_reduce of ARR (NBYTES) with MPI op MOP on COMM takes the ring (the same
     answer on every rank of COMM: the call's arguments agree, and the group's layout is
     found collectively on first use)."""
-    if not (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and mop == MPI.SUM
-            and arr.dtype in ADDABLE):
-        return False
-    r = ring(comm)
-    if r is None:
-        return False
-    start = r.starts.start("all_reduce")
-    return start is not None and nbytes >= start
+    return (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and mop == MPI.SUM
+            and arr.dtype in ADDABLE and _node.serves(ring(comm), "all_reduce", nbytes))
 
 
 def ring(comm):

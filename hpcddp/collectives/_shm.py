@@ -74,14 +74,8 @@ def usable(comm, nbytes: int, dtype, kind, op: str = "all_reduce") -> bool:
     """Whether OP (all_reduce or a reduce_scatter; NBYTES: the whole input) should take this
     path (the same answer on every rank of COMM: the arguments of a collective agree across
     ranks)."""
-    if not (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and kind in KINDS
-            and dtype is not torch.bool):
-        return False
-    a = arena(comm)
-    if a is None:
-        return False
-    start = a.starts.start(RACED[op])
-    return start is not None and nbytes >= start
+    return (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and kind in KINDS
+            and dtype is not torch.bool and _node.serves(arena(comm), RACED[op], nbytes))
 
 
 def arena(comm):
