@@ -71,8 +71,96 @@ def test_docs_crossover_tables_are_the_committed_runs(capsys):
     assert capsys.readouterr().out == (folder / "tables.md").read_text()
     page = (root / "docs" / "benchmarks.md").read_text()
     import json
-    for i in range(1, 6):
+    for i in range(1, 6):     # | run | arena, all_reduce (last size lost) | ... | costs |
         run = json.loads((folder / f"run{i}.json").read_text())
-        starts = {d["op"] + d["path"]: d["start_bytes"] for d in run["node_paths"]}
-        row = f"| {i} | from {_node._mib(starts['all_reduceshm arena'])} "
+        found = {(d["path"], d["op"]): d for d in run["node_paths"]}
+        ar, rs, bc = (found["shm arena", "all_reduce"], found["shm arena", "reduce_scatter"],
+                      found["cma", "broadcast"])
+        lost = [st for st in ar["steps"] if st[1] > _node.WIN * st[2]][-1]
+        costs = " + ".join(f"{d['cost_s'] * 1e3:.0f}" for d in (ar, rs, bc))
+        row = (f"| {i} | from {_node._mib(ar['start_bytes'])} ({_node._mib(lost[0])}: "
+               f"{lost[1] / lost[2]:.2f}) | from {_node._mib(rs['start_bytes'])} | from "
+               f"{_node._mib(bc['start_bytes'])} | {costs} ms |")
         assert row in page, row
+    # 2 nodes x 2 ranks, in prose: the ring's race
+    ring = [d for d in json.loads((folder / "vcluster-2x2" / "new.json").read_text())["node_paths"]
+            if d["path"] == "ring"][0]
+    r = [o / m for _, o, m in ring["steps"]]
+    assert ring["start_bytes"] is None and \
+        f"({min(r):.2f}-{max(r):.2f}× MPI's time at 1-8 MiB)" in page.replace("\n", " ")
+    # 4 nodes x 2 ranks, in prose: the hierarchical race and gloo/direct, new and old
+    runs = {k: json.loads((folder / "vcluster-4x2" / f"{k}.json").read_text())
+            for k in ("old", "new")}
+    hier = runs["new"]["node_paths"][0]
+    steps = " and ".join(f"{o / m:.2f}" for _, o, m in hier["steps"])
+    assert f"({steps.replace(' and ', '× and ')}× MPI's time, {hier['cost_s'] * 1e3:.0f} ms)" \
+        in page.replace("\n", " ")
+    g = {k: {c["bytes"] >> 20: c["ratios"]["gloo/direct"]["median"] for c in r["cells"]}
+         for k, r in runs.items()}
+    text = (f"gloo/direct time {g['new'][4]:.2f} at 4 and 16 MiB new, {g['old'][4]:.2f} and "
+            f"{g['old'][16]:.2f} old (one job each; 1 MiB swings: {g['new'][1]:.2f} new, "
+            f"{g['old'][1]:.2f} old)")
+    assert f"{g['new'][16]:.2f}" == f"{g['new'][4]:.2f}" and text in page.replace("\n", " "), text
+
+
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20}
+# docs/benchmarks.md's old/new tables under "Where each path starts": the header's first cell
+# -> the folder of runs under docs/benchmarks/crossover, and per row label the runs (old, new)
+# and the ratio (the op: the label's first word where the table has several)
+_AB_TABLES = {
+    "": ("ab", {"all_reduce, old": ("old", "direct/mpi4py"), "all_reduce, new": ("new", "direct/mpi4py"),
+                "reduce_scatter, old": ("old", "direct/mpi4py"),
+                "reduce_scatter, new": ("new", "direct/mpi4py"),
+                "broadcast, old": ("old", "direct/mpi4py"), "broadcast, new": ("new", "direct/mpi4py")}),
+    "broadcast, 2 ranks": ("bcast-plan", {
+        "direct, old": ("old", "direct/mpi4py"), "direct, new": ("new", "direct/mpi4py"),
+        "`dist.broadcast`, old": ("old", "hpcddp/mpi4py"),
+        "`dist.broadcast`, new": ("new", "hpcddp/mpi4py")}),
+    "all_gather_into_tensor, 2 ranks": ("agt-plan", {
+        "direct, old": ("old", "direct/mpi4py"), "direct, new": ("new", "direct/mpi4py"),
+        "`dist.all_gather_into_tensor`, old": ("old", "hpcddp/mpi4py"),
+        "`dist.all_gather_into_tensor`, new": ("new", "hpcddp/mpi4py")}),
+    "all_reduce, 2 nodes x 2 ranks, 1 Gbit/s": ("vcluster-2x2", {
+        "direct/raw mpi4py time, old (the unraced ring)": ("old", "direct/mpi4py"),
+        "direct/raw mpi4py time, new": ("new", "direct/mpi4py"),
+        "gloo/direct time, old": ("old", "gloo/direct"),
+        "gloo/direct time, new (hpcddp this many times gloo's speed)": ("new", "gloo/direct")}),
+}
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip().strip("*") for c in line.strip().strip("|").split("|")]
+
+
+@pytest.mark.parametrize("head", sorted(_AB_TABLES))
+def test_docs_old_new_tables_are_the_committed_runs(head):
+    """Every figure of the old/new tables is the median over the committed jobs (one job: its
+    figure), formatted as the page does: none typed in by hand."""
+    import json
+    import statistics
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    folder, rows = _AB_TABLES[head]
+    runs = root / "docs" / "benchmarks" / "crossover" / folder
+    lines = (root / "docs" / "benchmarks.md").read_text().splitlines()
+    at = next(i for i, l in enumerate(lines) if l.startswith("|") and _cells(l)[0] == head
+              and len(_cells(l)) > 2 and _cells(l)[1].split(" ")[-1] in _UNITS)
+    sizes = [int(c.split()[0]) * _UNITS[c.split()[1]] for c in _cells(lines[at])[1:]]
+    seen = set()
+    for line in lines[at + 2:]:
+        if not line.startswith("|"):
+            break
+        label, *figures = _cells(line)
+        which, ratio = rows[label]
+        op = label.split(",")[0]
+        jobs = [json.loads(f.read_text()) for f in sorted(runs.glob(f"{which}*.json"))]
+        assert jobs, (runs, which)
+        for size, shown in zip(sizes, figures):
+            vals = [c["ratios"][ratio]["median"] for j in jobs for c in j["cells"]
+                    if c["bytes"] == size and (op not in ("all_reduce", "reduce_scatter",
+                                                          "broadcast") or c["op"] == op)]
+            assert len(vals) == len(jobs), (label, size)
+            v = statistics.median(vals)
+            assert shown == (f"{v:.2f}" if v < 10 else f"{v:.1f}"), (head, label, size, shown, v)
+        seen.add(label)
+    assert seen == set(rows), (head, set(rows) - seen)
