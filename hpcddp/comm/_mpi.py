@@ -19,25 +19,52 @@ from hpcddp import settings
 STARTED_HERE = "mpi4py.MPI" not in sys.modules
 
 
+def _spans_nodes() -> bool:
+    """Whether the launcher's variables say the job spans nodes (MPI is not started yet)."""
+    from hpcddp.launch.env import LaunchEnvError, detect, spans_nodes
+    try:
+        return spans_nodes(detect())
+    except LaunchEnvError:
+        return False         # hpcddp.init reports it
+
+
 def _yield_across_nodes() -> None:
     """Open MPI's ranks spin while they wait for a message; across nodes a wait lasts as long
     as the network takes, and the async engine's thread waits beside the training step's
     threads (hpcddp.collectives.engine). There, ask Open MPI to yield the core while nothing
     has arrived (mpi_yield_when_idle: docs/ddp.md, "How async ops progress"), unless the
-    user set it. The launcher's variables say whether the job spans nodes: MPI is not
-    started yet."""
-    from hpcddp.launch.env import LaunchEnvError, detect, spans_nodes
-    try:
-        info = detect()
-    except LaunchEnvError:
-        return               # hpcddp.init reports it
-    if spans_nodes(info):
+    user set it."""
+    if _spans_nodes():
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+
+
+# ULFM's heartbeat detector (Open MPI 5): with it a rank whose node dropped off the network is
+# reported failed after DETECTOR_TIMEOUT s, as a killed one is at once; without it (Open MPI's
+# default) nothing reports it and an elastic job stalls. Each rank sends one small message
+# per DETECTOR_PERIOD s to one rank on another node (none to ranks on its own node: their
+# deaths come from the launcher), from a thread of its own.
+DETECTOR_PERIOD, DETECTOR_TIMEOUT = "1", "5"
+
+
+def _detect_unreachable_ranks() -> None:
+    """Where ULFM is on (``mpirun --with-ft ulfm``) and the job spans nodes, switch its
+    heartbeat detector on, unless the user set it: hpcddp.elastic then survives a node that
+    drops off the network (docs/elastic.md, "A node that drops off the network"). On one node
+    it would watch nothing (no heartbeats between ranks of a node) and its thread once crashed
+    a rank's start-up here. MPI reads these when it starts."""
+    from hpcddp.diagnostics.abort import fault_tolerant_job
+    if not fault_tolerant_job() or not _spans_nodes():
+        return
+    for name, value in (("detector", "true"), ("detector_thread", "true"),
+                        ("detector_period", DETECTOR_PERIOD),
+                        ("detector_timeout", DETECTOR_TIMEOUT)):
+        os.environ.setdefault(f"OMPI_MCA_mpi_ft_{name}", value)
 
 
 if STARTED_HERE:
     mpi4py.rc.thread_level = settings.get().thread_level
     _yield_across_nodes()
+    _detect_unreachable_ranks()
 
 try:
     from mpi4py import MPI  # noqa: E402

@@ -22,6 +22,7 @@ story. The parts:
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 
 import torch
@@ -182,6 +183,9 @@ class State:
         self.trained: list[tuple[int, int, list[int]]] = []  # (epoch, global step, indices)
         self.record_indices = False
         self.original_rank = self.world.world_ranks[self.world.rank]
+        # start-up rank -> host: which losses could be a cut link rather than a death
+        self._hosts = dict(zip(self.world.world_ranks,
+                               self.world.mpi.allgather(socket.gethostname())))
         self._failed = None
         self._stepped = False
         self._chunk = None
@@ -339,6 +343,7 @@ class State:
         """Revoke, shrink, agree, restore, rebuild (every survivor calls it)."""
         MPI = _mpi()
         from hpcddp.comm import output as _log
+        from hpcddp.comm.communicator import translate_to_world
         detected = self._failed_at or time.time()
         t0 = time.perf_counter()
         old_ranks = set(self.world.world_ranks)
@@ -359,9 +364,12 @@ class State:
                     c.Revoke()
                 except MPI.Exception:
                     pass
-            new = comm.Shrink()
+            with _stuck_after(SHRINK_LIMIT_S, "ULFM's shrink"):
+                new = comm.Shrink()
             new.Set_errhandler(MPI.ERRORS_RETURN)
             lap("revoke_shrink")
+            if not holds_majority(old_ranks, set(translate_to_world(new)), self._hosts):
+                _stop_on_the_minority_side(new, old_ranks, self._hosts)
             try:
                 mine = (self.epoch, self.pos, self.global_step)
                 best = new.allreduce((mine, -new.Get_rank()), op=MPI.MAX)
@@ -377,7 +385,6 @@ class State:
                 if not is_process_failure(exc, new):
                     raise
                 comm = new            # another rank was lost while recovering: again
-        from hpcddp.comm.communicator import translate_to_world
         now_ranks = set(translate_to_world(self.world.mpi))
         lost = sorted(old_ranks - now_ranks)
         redealt = len(self.sampler.chunks(self.pos))
@@ -402,7 +409,7 @@ class State:
         self._first_step_after = rec
         if self.verbose and self.rank == 0:
             _log.log(f"elastic: lost rank{'s' if len(lost) != 1 else ''} "
-                     f"{', '.join(map(str, lost))} (start-up numbering) before step "
+                     f"{_ranks_on_nodes(lost, self._hosts)} (start-up numbering) before step "
                      f"{self.global_step} (epoch {self.epoch + 1}, {self.pos} of "
                      f"{self.sampler.epoch_samples} samples done); recovered in {seconds:.3f} s "
                      f"on {self.size} rank(s): state from rank {src}, the epoch's last "
@@ -470,6 +477,96 @@ class State:
         return model
 
 
+def holds_majority(before: set, after: set, hosts: dict) -> bool:
+    """Whether the survivors AFTER of the world BEFORE may go on training.
+
+    A rank lost on a host where a survivor runs died (ULFM hears of a death on a node from
+    its launcher; no network lies between them). A rank lost on another host may be alive
+    behind a cut link or a partition, training on as a world of its own: of the ranks not
+    known dead, the survivors go on only if they are more than half, or exactly half and hold
+    the lowest start-up rank; the other side then stops, so one world trains and writes
+    checkpoints, never two. Every survivor computes the same answer (HOSTS: start-up rank ->
+    host, gathered when the State was built)."""
+    survivor_hosts = {hosts.get(r) for r in after}
+    unsure = {r for r in before - after if hosts.get(r) not in survivor_hosts}
+    if not unsure:
+        return True
+    voters = after | unsure
+    return 2 * len(after) > len(voters) or (2 * len(after) == len(voters)
+                                            and min(voters) in after)
+
+
+def _ranks_on_nodes(ranks, hosts: dict) -> str:
+    """"2 on node3", "2, 3 on node3, node4": start-up ranks and their hosts."""
+    names = list(dict.fromkeys(hosts.get(r, "?") for r in ranks))
+    return f"{', '.join(map(str, ranks))} on {', '.join(names)}"
+
+
+MINORITY_EXIT = 1
+# ULFM's shrink returns in well under a second once every lost rank is reported failed. Seen
+# with Open MPI 5.0.11 on 4 virtual nodes, one cut off: the rank it lost was reported to some
+# survivors and never to rank 0, and every survivor waited in the shrink for good. Past this
+# limit a survivor ends itself with a line saying so (`hpcddp launch` ends the job on it).
+SHRINK_LIMIT_S = 60.0
+STUCK_EXIT = 1
+
+
+@contextlib.contextmanager
+def _stuck_after(seconds: float, what: str):
+    """End this rank if the block is still running after SECONDS (a call that cannot return)."""
+    import threading
+
+    def give_up():
+        _end_rank(f"elastic: the recovery is stuck: {what} did not return within {seconds:.0f} s "
+                  f"(a lost rank that MPI reported to some ranks only: docs/elastic.md, \"A node "
+                  f"that drops off the network\"); this rank ends (exit {STUCK_EXIT})", STUCK_EXIT)
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _end_rank(line: str | None, code: int) -> None:
+    """Print LINE (if any), stop the watchdog, and end this process with CODE, without
+    MPI_Finalize (it would wait for ranks it cannot reach)."""
+    import os
+    import sys
+
+    from hpcddp.comm import output as _log
+    if line:
+        _log.log(line)
+    try:
+        from hpcddp import diagnostics
+        diagnostics.stop_without_barrier()
+    except Exception:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    time.sleep(0.2)              # the launcher forwards the line before the process goes
+    os._exit(code)
+
+
+def _stop_on_the_minority_side(new, before: set, hosts: dict) -> None:
+    """End this rank: its side of a cut network holds no majority (holds_majority)."""
+    from hpcddp.comm.communicator import translate_to_world
+    after = sorted(translate_to_world(new))
+    lost = sorted(before - set(after))
+    line = None
+    if new.Get_rank() == 0:
+        line = (f"elastic: rank{'s' if len(after) != 1 else ''} {_ranks_on_nodes(after, hosts)} "
+                f"lost contact with rank{'s' if len(lost) != 1 else ''} "
+                f"{_ranks_on_nodes(lost, hosts)} and hold {len(after)} of {len(before)}: no "
+                f"majority, this side stops (exit {MINORITY_EXIT}) so that only one side trains "
+                f"on; resume from the last checkpoint if the other side is gone too")
+    _end_rank(line, MINORITY_EXIT)
+
+
 _exit_code = [0]
 _exit_installed = [False]
 
@@ -522,6 +619,15 @@ def _exit_without_finalize() -> None:
         try:
             from hpcddp import diagnostics
             diagnostics.stop_without_barrier()
+        except Exception:
+            pass
+        try:
+            from hpcddp.comm import output as _log
+            world = startup.runtime().world
+            # `hpcddp launch` counts these lines: once every survivor has left, a launcher
+            # still waiting for a node it cannot reach is ended (hpcddp.launch.mpirun)
+            _log.log(f"elastic: rank {world.rank} of {world.size} leaves the job, "
+                     f"exit {_exit_code[0]}")
         except Exception:
             pass
         for stream in (sys.stdout, sys.stderr):

@@ -124,10 +124,38 @@ PRTE_KEEPALIVE = {"PRTE_MCA_oob_tcp_keepalive_time": "30",
                   "PRTE_MCA_oob_tcp_keepalive_probes": "3"}
 
 
-def launcher_env(env: Mapping[str, str] | None = None) -> dict:
-    """ENV (default: this process's) with hpcddp's launcher settings, where the user set none."""
+# With ULFM on no keepalives: PRRTE 3.0 ends the whole job when it loses a daemon, recovery
+# or not (errmgr_dvm.c), which would kill an elastic job's survivors a minute after a node
+# dropped off the network. ULFM's own detector finds such a node (hpcddp.comm._mpi); the
+# survivors' exit lines below end a launcher that still waits for it.
+PRTE_NO_KEEPALIVE = {"PRTE_MCA_oob_tcp_keepalive_time": "0"}
+# What each survivor of an elastic job that lost ranks prints as it exits (hpcddp.elastic)
+SURVIVOR_LEFT = re.compile(rb"elastic: rank (\d+) of (\d+) leaves the job, exit (-?\d+)")
+# ... a side of a cut network that holds no majority, as it stops; a recovery that is stuck
+MINORITY_STOPS = b"no majority, this side stops"
+RECOVERY_STUCK = b"elastic: the recovery is stuck"
+# How long a launcher may take to end after every survivor left: Open MPI's takes a second
+SURVIVORS_GRACE = 10.0
+
+
+def fault_tolerant_command(cmd: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Whether CMD starts its ranks with ULFM on (``--with-ft ulfm``, or the variable set)."""
+    from hpcddp.diagnostics.abort import fault_tolerant_job
+    args = list(cmd)
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg == "--with-ft" and i + 1 < len(args) else (
+            arg.split("=", 1)[1] if arg.startswith("--with-ft=") else None)
+        if value is not None and value.lower() not in ("none", "no", "false", "0"):
+            return True
+    return fault_tolerant_job(env)
+
+
+def launcher_env(env: Mapping[str, str] | None = None, cmd: Sequence[str] = ()) -> dict:
+    """ENV (default: this process's) with hpcddp's launcher settings for CMD, where the user
+    set none: PRRTE's keepalives, off where CMD runs with ULFM on."""
     full = dict(os.environ if env is None else env)
-    for key, value in PRTE_KEEPALIVE.items():
+    chosen = PRTE_NO_KEEPALIVE if fault_tolerant_command(cmd, full) else PRTE_KEEPALIVE
+    for key, value in chosen.items():
         full.setdefault(key, value)
     return full
 
@@ -145,7 +173,10 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
     passed on as they are. The output is read on its way through:
     - a launcher still running ABORT_GRACE seconds after a rank aborted (it waits for a node it
       cannot reach) is ended, and the status is the abort's error code;
-    - a launcher that lost a node's daemon and then exits 0 (PRRTE does) gets status 1.
+    - a launcher that lost a node's daemon and then exits 0 (PRRTE does) gets status 1;
+    - in an elastic job that lost a node, a launcher still running SURVIVORS_GRACE seconds
+      after every survivor left (it waits for the node) is ended, with the survivors' status;
+      a side of a cut network that stops (no majority) counts as an abort.
     NAME prefixes the lines that say so. ENV gets ``launcher_env`` (PRRTE's keepalives).
     """
     started = []    # the launcher, once there: a signal may come before it is
@@ -155,7 +186,7 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
             previous[sig] = signal.signal(sig, lambda s, f: [_signal_launcher(p, s) for p in started])
     try:
-        proc = subprocess.Popen(list(cmd), env=launcher_env(env), start_new_session=True,
+        proc = subprocess.Popen(list(cmd), env=launcher_env(env, cmd), start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except BaseException:
         _restore(previous)
@@ -179,11 +210,12 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
                 _end_group(proc, signal.SIGKILL)
                 print(f"{name}: killed the job after {timeout:.0f} s (--timeout)", file=sys.stderr)
                 return JOB_TIMED_OUT
-            if seen.ended_at is not None and now - seen.ended_at > abort_grace:
+            grace = abort_grace if seen.status is None else SURVIVORS_GRACE
+            if seen.ended_at is not None and now - seen.ended_at > grace:
                 _end_launcher(proc)
-                print(f"{name}: the launcher was still running {abort_grace:.0f} s after "
+                print(f"{name}: the launcher was still running {grace:.0f} s after "
                       f"{seen.what}: ended it and what it started", file=sys.stderr)
-                return seen.errorcode or JOB_FAILED
+                return seen.errorcode or (JOB_FAILED if seen.status is None else seen.status)
         for reader in readers:
             reader.join(timeout=5)
         if rc == 0 and seen.lost_node:
@@ -213,10 +245,12 @@ class _LauncherOutput:
     """Relays the launcher's output and notes the lines that say the job is over."""
 
     def __init__(self):
-        self.ended_at = None    # monotonic time of the first abort or lost-node line
+        self.ended_at = None    # monotonic time of the first abort, lost-node or last-survivor line
         self.what = ""
         self.errorcode = 0
         self.lost_node = ""
+        self.status = None      # the survivors' status, once every survivor left
+        self.left: dict = {}    # survivor's rank -> its exit status (elastic jobs)
 
     def relay(self, pipe, out) -> None:
         """Copy PIPE to OUT as the bytes come (progress bars redraw with a bare \\r) and read
@@ -248,6 +282,18 @@ class _LauncherOutput:
             self._ended("it lost a node")
         elif any(marker in line for marker in ABORT_LINES):
             self._ended("a rank aborted the job")
+        elif MINORITY_STOPS in line:
+            self._ended("a side of the network without a majority stopped")
+        elif RECOVERY_STUCK in line:
+            self._ended("an elastic recovery got stuck")
+        left = SURVIVOR_LEFT.search(line)
+        if left:
+            rank, size, code = (int(g) for g in left.groups())
+            self.left[rank] = code
+            if len(self.left) >= size and self.ended_at is None:
+                self.status = max(self.left.values(), key=abs)
+                self._ended(f"every survivor of the elastic job left ({size} rank"
+                            f"{'s' if size != 1 else ''}, exit {self.status})")
 
     def _ended(self, what: str) -> None:
         if self.ended_at is None:

@@ -85,3 +85,41 @@ def test_a_reader_that_goes_away_does_not_hang_the_job():
     assert proc.stdout.readline() == b"1\n"
     proc.stdout.close()
     assert proc.wait(timeout=30) == 4
+
+
+def test_launcher_waiting_after_every_survivor_left_is_ended():
+    """An elastic job that lost a node: every survivor printed its leaving line, the launcher
+    still waits for the node's daemon: ended after SURVIVORS_GRACE, with the survivors' status."""
+    script = ("echo '[rank0] elastic: rank 0 of 2 leaves the job, exit 0'; "
+              "echo '[rank1] elastic: rank 1 of 2 leaves the job, exit 0'; sleep 300")
+    res, took = launch(script, timeout=90)
+    assert res.returncode == 0, res.stderr
+    assert took < 40
+    assert "every survivor of the elastic job left (2 ranks, exit 0)" in res.stderr
+
+
+def test_survivors_status_and_a_missing_survivor():
+    # one survivor failed: its status is the job's
+    res, _ = launch("echo 'elastic: rank 1 of 2 leaves the job, exit 1'; "
+                    "echo 'elastic: rank 0 of 2 leaves the job, exit 0'; sleep 300", timeout=90)
+    assert res.returncode == 1, res.stderr
+    # one survivor has not left: the launcher is left to end by itself
+    res, _ = launch("echo 'elastic: rank 0 of 2 leaves the job, exit 0'; sleep 12; exit 5",
+                    timeout=90)
+    assert res.returncode == 5 and "every survivor" not in res.stderr
+
+
+def test_ulfm_launches_get_no_keepalives():
+    """PRRTE 3.0 ends the whole job when a keepalive finds a daemon lost, recovery or not: under
+    --with-ft ulfm hpcddp switches them off (ULFM's detector finds the node instead)."""
+    from hpcddp.launch.mpirun import launcher_env
+    env = {"PATH": "/bin"}
+    assert launcher_env(env, ["mpirun", "-n", "2", "x"])["PRTE_MCA_oob_tcp_keepalive_time"] == "30"
+    for cmd in (["mpirun", "--with-ft", "ulfm", "x"], ["mpirun", "--with-ft=ulfm", "x"]):
+        assert launcher_env(env, cmd)["PRTE_MCA_oob_tcp_keepalive_time"] == "0"
+    assert launcher_env({**env, "OMPI_MCA_mpi_ft_enable": "1"}, ["mpirun", "x"])[
+        "PRTE_MCA_oob_tcp_keepalive_time"] == "0"
+    assert launcher_env(env, ["mpirun", "--with-ft", "none", "x"])[
+        "PRTE_MCA_oob_tcp_keepalive_time"] == "30"
+    user = {**env, "PRTE_MCA_oob_tcp_keepalive_time": "120"}
+    assert launcher_env(user, ["mpirun", "--with-ft", "ulfm"])["PRTE_MCA_oob_tcp_keepalive_time"] == "120"

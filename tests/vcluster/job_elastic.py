@@ -1,0 +1,70 @@
+"""Run on the virtual cluster (tests/test_vcluster_faults.py): elastic DDP training that a
+network fault should not stop, under `hpcddp launch -- mpirun --with-ft ulfm`.
+
+argv: OUTDIR EPOCHS. A small MLP, 480 samples, global batch 24 (20 steps an epoch), a pause
+per step so that the run outlasts the fault's detection. Rank 0 prints "[rank0] looping"
+after 20 steps: the test then injects its fault. Every survivor writes OUTDIR/final.<start-up
+rank>.json at the end: the world it ended in, its host, the steps, the ranks lost and the
+parameters' bytes (hex).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import hpcddp
+import hpcddp.elastic as elastic
+
+
+class Indexed(torch.utils.data.Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 16, generator=g, dtype=torch.float64)
+        self.y = (self.x[:, :4].sum(1) > 0).long()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i], i
+
+
+def main():
+    out, epochs = sys.argv[1], int(sys.argv[2])
+    torch.set_num_threads(1)
+    hpcddp.init()
+    hpcddp.init_process_group()
+    ds = Indexed(480)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 2)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sampler = elastic.ElasticBatchSampler(len(ds), 24, seed=3)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler)
+    state = elastic.State(model, opt, sampler)
+    for _ in state.epochs(epochs):
+        for x, y, _idx in state.batches(loader):
+            with state.step():
+                loss = F.cross_entropy(state.model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            time.sleep(0.05)
+            if state.global_step == 20 and state.rank == 0:
+                print("[rank0] looping", flush=True)
+    blob = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    with open(os.path.join(out, f"final.{state.original_rank}.json"), "w") as f:
+        json.dump({"rank": state.original_rank, "size": state.size, "host": socket.gethostname(),
+                   "global_step": state.global_step, "params": blob.hex(),
+                   "lost": [r.lost for r in state.recoveries]}, f)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
