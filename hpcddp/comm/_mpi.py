@@ -42,7 +42,9 @@ def _yield_across_nodes() -> None:
 # reported failed after DETECTOR_TIMEOUT s, as a killed one is at once; without it (Open MPI's
 # default) nothing reports it and an elastic job stalls. Each rank sends one small message
 # per DETECTOR_PERIOD s to one rank on another node (none to ranks on its own node: their
-# deaths come from the launcher), from a thread of its own.
+# deaths come from the launcher), from a thread of its own. The failure it finds is passed on
+# over MPI's own reliable broadcast (propagator_with_rbcast): the default path, through the
+# launcher, never reached rank 0 on 4 virtual nodes with one cut off, and the shrink hung.
 DETECTOR_PERIOD, DETECTOR_TIMEOUT = "1", "5"
 
 
@@ -52,12 +54,13 @@ def _detect_unreachable_ranks() -> None:
     drops off the network (docs/elastic.md, "A node that drops off the network"). On one node
     it would watch nothing (no heartbeats between ranks of a node) and its thread once crashed
     a rank's start-up here. MPI reads these when it starts."""
-    from hpcddp.diagnostics.abort import fault_tolerant_job
+    from hpcddp.launch.env import fault_tolerant_job
     if not fault_tolerant_job() or not _spans_nodes():
         return
     for name, value in (("detector", "true"), ("detector_thread", "true"),
                         ("detector_period", DETECTOR_PERIOD),
-                        ("detector_timeout", DETECTOR_TIMEOUT)):
+                        ("detector_timeout", DETECTOR_TIMEOUT),
+                        ("propagator_with_rbcast", "true")):
         os.environ.setdefault(f"OMPI_MCA_mpi_ft_{name}", value)
 
 

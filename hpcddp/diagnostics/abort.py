@@ -18,6 +18,7 @@ import time
 import traceback
 
 from hpcddp.launch import process
+from hpcddp.launch.env import fault_tolerant_job
 
 _installed = False
 
@@ -78,12 +79,6 @@ def end_whole_job() -> None:
     that mpirun exits non-zero instead of seeing every rank merely lost."""
     global _end_whole_job
     _end_whole_job = True
-
-
-def fault_tolerant_job(env=None) -> bool:
-    """Whether this job runs with ULFM on (Open MPI's ``mpirun --with-ft ulfm`` sets it)."""
-    value = (os.environ if env is None else env).get("OMPI_MCA_mpi_ft_enable", "")
-    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 # A killed worker's sockets close before it becomes a zombie: the batch read it cut can raise

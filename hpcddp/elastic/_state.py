@@ -116,15 +116,10 @@ def leave(why: str) -> None:
     recover as from any lost rank. Used when this rank cannot go on but the job can."""
     import os
     import signal
-    import sys
 
     from hpcddp.comm import output as _log
     _log.log(f"elastic: {why}: this rank leaves the job (SIGKILL), the others go on without it")
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
+    _flush_output()
     time.sleep(0.2)              # the launcher forwards the line before the process goes
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -504,9 +499,10 @@ def _ranks_on_nodes(ranks, hosts: dict) -> str:
 
 MINORITY_EXIT = 1
 # ULFM's shrink returns in well under a second once every lost rank is reported failed. Seen
-# with Open MPI 5.0.11 on 4 virtual nodes, one cut off: the rank it lost was reported to some
-# survivors and never to rank 0, and every survivor waited in the shrink for good. Past this
-# limit a survivor ends itself with a line saying so (`hpcddp launch` ends the job on it).
+# with Open MPI 5.0.11 on 4 virtual nodes, one cut off, before hpcddp.comm._mpi passed failures
+# on over MPI's reliable broadcast: the lost rank was reported to some survivors and never to
+# rank 0, and every survivor waited in the shrink for good. Past this limit a survivor ends
+# itself with a line saying so (`hpcddp launch` ends the job on it): a stall, never a hang.
 SHRINK_LIMIT_S = 60.0
 STUCK_EXIT = 1
 
@@ -533,7 +529,6 @@ def _end_rank(line: str | None, code: int) -> None:
     """Print LINE (if any), stop the watchdog, and end this process with CODE, without
     MPI_Finalize (it would wait for ranks it cannot reach)."""
     import os
-    import sys
 
     from hpcddp.comm import output as _log
     if line:
@@ -543,13 +538,18 @@ def _end_rank(line: str | None, code: int) -> None:
         diagnostics.stop_without_barrier()
     except Exception:
         pass
+    _flush_output()
+    time.sleep(0.2)              # the launcher forwards the line before the process goes
+    os._exit(code)
+
+
+def _flush_output() -> None:
+    import sys
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
-    time.sleep(0.2)              # the launcher forwards the line before the process goes
-    os._exit(code)
 
 
 def _stop_on_the_minority_side(new, before: set, hosts: dict) -> None:
@@ -630,11 +630,7 @@ def _exit_without_finalize() -> None:
                      f"exit {_exit_code[0]}")
         except Exception:
             pass
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
+        _flush_output()
         os._exit(_exit_code[0])
     atexit.register(finish)
 

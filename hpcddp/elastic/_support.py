@@ -28,7 +28,7 @@ def support_problem(env=None) -> str | None:
     from hpcddp import settings
     from hpcddp.comm import startup
     from hpcddp.comm._mpi import MPI
-    from hpcddp.diagnostics.abort import fault_tolerant_job
+    from hpcddp.launch.env import fault_tolerant_job
     s = settings.get() if env is None else settings.read(env)
     env = os.environ if env is None else env
     if s.elastic == "force":

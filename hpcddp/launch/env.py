@@ -578,6 +578,12 @@ def detect(env: Mapping[str, str] | None = None) -> Optional[LaunchInfo]:
 
 # --------------------------------------------------------------------------- against MPI
 
+def fault_tolerant_job(env=None) -> bool:
+    """Whether this job runs with ULFM on (Open MPI's ``mpirun --with-ft ulfm`` sets it)."""
+    value = (os.environ if env is None else env).get("OMPI_MCA_mpi_ft_enable", "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 def spans_nodes(info: Optional[LaunchInfo]) -> bool:
     """Whether the launcher's variables say the job runs on several nodes (before MPI starts:
     more nodes than one, or fewer ranks on this node than in the job)."""

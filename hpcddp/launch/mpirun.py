@@ -140,7 +140,7 @@ SURVIVORS_GRACE = 10.0
 
 def fault_tolerant_command(cmd: Sequence[str], env: Mapping[str, str]) -> bool:
     """Whether CMD starts its ranks with ULFM on (``--with-ft ulfm``, or the variable set)."""
-    from hpcddp.diagnostics.abort import fault_tolerant_job
+    from hpcddp.launch.env import fault_tolerant_job
     args = list(cmd)
     for i, arg in enumerate(args):
         value = args[i + 1] if arg == "--with-ft" and i + 1 < len(args) else (

@@ -22,25 +22,14 @@ import hpcddp
 import hpcddp.elastic as elastic
 
 
-class Indexed(torch.utils.data.Dataset):
-    def __init__(self, n):
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(n, 16, generator=g, dtype=torch.float64)
-        self.y = (self.x[:, :4].sum(1) > 0).long()
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i], i
-
-
 def main():
     out, epochs = sys.argv[1], int(sys.argv[2])
     torch.set_num_threads(1)
     hpcddp.init()
     hpcddp.init_process_group()
-    ds = Indexed(480)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(480, 16, generator=g, dtype=torch.float64)
+    ds = torch.utils.data.TensorDataset(x, (x[:, :4].sum(1) > 0).long())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
                                 torch.nn.Linear(64, 2)).double()
@@ -49,9 +38,9 @@ def main():
     loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler)
     state = elastic.State(model, opt, sampler)
     for _ in state.epochs(epochs):
-        for x, y, _idx in state.batches(loader):
+        for xb, yb in state.batches(loader):
             with state.step():
-                loss = F.cross_entropy(state.model(x), y)
+                loss = F.cross_entropy(state.model(xb), yb)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
