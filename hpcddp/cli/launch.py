@@ -13,7 +13,10 @@ aborts (hpcddp's stall report names the unresponsive rank and aborts), mpirun wa
 unreachable node's daemon to confirm its kill: with Linux's TCP defaults, about 15 minutes. When
 its keepalives find the node lost instead, it ends the job but exits 0. Here:
 - PRRTE's keepalives are set (30 s, then 3 probes 10 s apart; PRTE_MCA_oob_tcp_keepalive_*
-  in the environment win);
+  in the environment win), except under ULFM (--with-ft ulfm: elastic jobs), where a daemon
+  found lost would end the survivors' job too;
+- an elastic job's launcher still running 10 s after every survivor left (it waits for a node
+  that dropped off the network) is ended, with the survivors' status (docs/elastic.md);
 - a launcher still running --abort-grace seconds after an abort is ended (SIGTERM twice, then
   SIGKILL) and the status is the abort's error code;
 - a launcher that lost a node and exits 0 gets status 1, with a line naming the node;
