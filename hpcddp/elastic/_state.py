@@ -32,6 +32,7 @@ from hpcddp.diagnostics.abort import CUT_READ_ERRORS, WORKER_EXIT_WAIT_S
 from hpcddp.elastic import _inject
 from hpcddp.elastic._sampler import ElasticBatchSampler
 from hpcddp.elastic._support import check_support
+from hpcddp.launch.mpirun import MINORITY_STOPS_LINE, RECOVERY_STUCK_LINE, SURVIVOR_LEFT_LINE
 
 FAILURE_MARKERS = ("MPI_ERR_PROC_FAILED", "MPI_ERR_REVOKED", "PROC_FAILED", "REVOKED")
 
@@ -513,7 +514,7 @@ def _stuck_after(seconds: float, what: str):
     import threading
 
     def give_up():
-        _end_rank(f"elastic: the recovery is stuck: {what} did not return within {seconds:.0f} s "
+        _end_rank(f"{RECOVERY_STUCK_LINE}: {what} did not return within {seconds:.0f} s "
                   f"(a lost rank that MPI reported to some ranks only: docs/elastic.md, \"A node "
                   f"that drops off the network\"); this rank ends (exit {STUCK_EXIT})", STUCK_EXIT)
     timer = threading.Timer(seconds, give_up)
@@ -561,8 +562,8 @@ def _stop_on_the_minority_side(new, before: set, hosts: dict) -> None:
     if new.Get_rank() == 0:
         line = (f"elastic: rank{'s' if len(after) != 1 else ''} {_ranks_on_nodes(after, hosts)} "
                 f"lost contact with rank{'s' if len(lost) != 1 else ''} "
-                f"{_ranks_on_nodes(lost, hosts)} and hold {len(after)} of {len(before)}: no "
-                f"majority, this side stops (exit {MINORITY_EXIT}) so that only one side trains "
+                f"{_ranks_on_nodes(lost, hosts)} and hold {len(after)} of {len(before)}: "
+                f"{MINORITY_STOPS_LINE} (exit {MINORITY_EXIT}) so that only one side trains "
                 f"on; resume from the last checkpoint if the other side is gone too")
     _end_rank(line, MINORITY_EXIT)
 
@@ -626,8 +627,8 @@ def _exit_without_finalize() -> None:
             world = startup.runtime().world
             # `hpcddp launch` counts these lines: once every survivor has left, a launcher
             # still waiting for a node it cannot reach is ended (hpcddp.launch.mpirun)
-            _log.log(f"elastic: rank {world.rank} of {world.size} leaves the job, "
-                     f"exit {_exit_code[0]}")
+            _log.log(SURVIVOR_LEFT_LINE.format(rank=world.rank, size=world.size,
+                                               code=_exit_code[0]))
         except Exception:
             pass
         _flush_output()

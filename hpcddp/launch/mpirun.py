@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Mapping, Sequence
 
+from hpcddp.launch.env import fault_tolerant_job
+
 
 def _is_open_mpi(mpirun: str) -> bool:
     try:
@@ -129,18 +131,22 @@ PRTE_KEEPALIVE = {"PRTE_MCA_oob_tcp_keepalive_time": "30",
 # dropped off the network. ULFM's own detector finds such a node (hpcddp.comm._mpi); the
 # survivors' exit lines below end a launcher that still waits for it.
 PRTE_NO_KEEPALIVE = {"PRTE_MCA_oob_tcp_keepalive_time": "0"}
-# What each survivor of an elastic job that lost ranks prints as it exits (hpcddp.elastic)
-SURVIVOR_LEFT = re.compile(rb"elastic: rank (\d+) of (\d+) leaves the job, exit (-?\d+)")
-# ... a side of a cut network that holds no majority, as it stops; a recovery that is stuck
-MINORITY_STOPS = b"no majority, this side stops"
-RECOVERY_STUCK = b"elastic: the recovery is stuck"
+# The lines hpcddp.elastic prints that end a job here (it writes them with these texts): each
+# survivor of an elastic job that lost ranks as it exits; a side of a cut network that holds no
+# majority, as it stops; a recovery that is stuck
+SURVIVOR_LEFT_LINE = "elastic: rank {rank} of {size} leaves the job, exit {code}"
+MINORITY_STOPS_LINE = "no majority, this side stops"
+RECOVERY_STUCK_LINE = "elastic: the recovery is stuck"
+SURVIVOR_LEFT = re.compile(re.escape(SURVIVOR_LEFT_LINE).replace(r"\{rank\}", r"(\d+)")
+                           .replace(r"\{size\}", r"(\d+)").replace(r"\{code\}", r"(-?\d+)")
+                           .encode())
+MINORITY_STOPS, RECOVERY_STUCK = MINORITY_STOPS_LINE.encode(), RECOVERY_STUCK_LINE.encode()
 # How long a launcher may take to end after every survivor left: Open MPI's takes a second
 SURVIVORS_GRACE = 10.0
 
 
 def fault_tolerant_command(cmd: Sequence[str], env: Mapping[str, str]) -> bool:
     """Whether CMD starts its ranks with ULFM on (``--with-ft ulfm``, or the variable set)."""
-    from hpcddp.launch.env import fault_tolerant_job
     args = list(cmd)
     for i, arg in enumerate(args):
         value = args[i + 1] if arg == "--with-ft" and i + 1 < len(args) else (
