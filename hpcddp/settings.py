@@ -244,6 +244,9 @@ VARS: tuple[Var, ...] = (
     Var("HPCDDP_ELASTIC", _choice("auto", "force"), "auto", "auto, force",
         "force: start elastic mode even where the MPI's ULFM support is not detected",
         "elastic.md"),
+    Var("HPCDDP_ELASTIC_REGROW", _flag, False, "1, 0",
+        "after a lost rank, spawn a replacement and go on at full size (elastic.State's "
+        "regrow=; no free slot: the job goes on smaller)", "elastic.md"),
     Var("HPCDDP_ELASTIC_KILL", _text, "", "RANK@STEP[:PHASE],...",
         "fault injection for demos and tests: SIGKILL that rank at that step and phase",
         "elastic.md"),

@@ -53,15 +53,39 @@ class Communicator:
         self.mpi = MPI.COMM_NULL
 
 
+# The numbering world ranks are given in: MPI_COMM_WORLD's ranks, until hpcddp.elastic grows
+# a job back with spawned replacements (each has an MPI_COMM_WORLD of its own, and takes the
+# start-up rank of the process it replaces): then the grown world's group and its numbering.
 _world_group = None
+_world_numbers: tuple | None = None
 
 
-def translate_to_world(mpi_comm) -> list[int]:
+def set_world_numbering(mpi_comm, world_ranks) -> None:
+    """From now on world ranks are WORLD_RANKS[i] for MPI_COMM's rank i (every process of
+    the job is in MPI_COMM; hpcddp.comm.spawn calls it after a merge)."""
+    global _world_group, _world_numbers
+    old, _world_group = _world_group, mpi_comm.Get_group()
+    _world_numbers = tuple(world_ranks)
+    if old is not None:
+        old.Free()
+
+
+def translate_group_to_world(group) -> list[int]:
+    """World ranks of GROUP's members, in group order (MPI.UNDEFINED for a process outside
+    the job's world)."""
     global _world_group
     if _world_group is None:
         _world_group = MPI.COMM_WORLD.Get_group()
+    ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), _world_group)
+    if _world_numbers is None:
+        return list(ranks)
+    return [r if r == MPI.UNDEFINED else _world_numbers[r] for r in ranks]
+
+
+def translate_to_world(mpi_comm) -> list[int]:
+    """World ranks of MPI_COMM's processes, in its rank order."""
     group = mpi_comm.Get_group()
     try:
-        return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), _world_group))
+        return translate_group_to_world(group)
     finally:
         group.Free()

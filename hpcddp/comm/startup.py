@@ -46,6 +46,7 @@ class Runtime:
     we_initialized: bool
     cuda_device: int | None = None
     notes: list = field(default_factory=list)
+    joined: dict | None = None         # a replacement rank: what the survivors handed over
 
 
 _runtime: Runtime | None = None
@@ -105,13 +106,26 @@ def _start(thread_level: str) -> Runtime:
     if we_init:
         atexit.register(_finalize_at_exit)
     process.own()     # hpcddp's hooks act in this process only, never in its forked children
-    # raises LaunchWorldError (a RuntimeError) for torchrun's workers and for an MPI that did
-    # not connect to its launcher; returns a warning for a partial stray WORLD_SIZE or RANK
-    stray_warning = check_world(launch, MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(),
-                                sys.argv)
     granted = _LEVEL_NAMES.get(MPI.Query_thread(), str(MPI.Query_thread()))
-    world = Communicator(MPI.COMM_WORLD.Dup(), "WORLD", list(range(MPI.COMM_WORLD.Get_size())))
-    _log.set_rank(world.rank)
+    parent = MPI.Comm.Get_parent()
+    joined = None
+    if parent != MPI.COMM_NULL:
+        # hpcddp.elastic spawned this process to replace a lost rank: its world is the job's,
+        # joined through the parent intercommunicator (its own COMM_WORLD is a world of one)
+        from hpcddp.comm.spawn import join_as_replacement
+        comm, ranks, _me, joined = join_as_replacement(parent)
+        world = Communicator(comm, "WORLD", ranks)
+        stray_warning = None
+        launch_key = None        # its launcher numbers the spawned job, not the node
+    else:
+        # raises LaunchWorldError (a RuntimeError) for torchrun's workers and for an MPI that
+        # did not connect to its launcher; returns a warning for a stray WORLD_SIZE or RANK
+        stray_warning = check_world(launch, MPI.COMM_WORLD.Get_rank(),
+                                    MPI.COMM_WORLD.Get_size(), sys.argv)
+        world = Communicator(MPI.COMM_WORLD.Dup(), "WORLD",
+                             list(range(MPI.COMM_WORLD.Get_size())))
+        launch_key = launch.local_rank if launch is not None else None
+    _log.set_rank(world.world_ranks[world.rank])
     notes = []
     if stray_warning and world.rank == 0:   # inherited by every rank alike: one line says it
         notes.append(stray_warning)
@@ -119,8 +133,7 @@ def _start(thread_level: str) -> Runtime:
         notes.append(f"MPI granted thread level {granted!r}, asked for {thread_level!r}: "
                      f"DDP's autograd-thread collectives are serialised by hpcddp")
     rpn = emulated_ranks_per_node()
-    key = launch.local_rank if launch is not None and launch.local_rank is not None else None
-    topo = build_topology(world, rpn, key)
+    topo = build_topology(world, rpn, launch_key)
     # torchrun's variables (RANK, LOCAL_RANK, GROUP_RANK...) with what only MPI knows
     export_after_start(launch, world.rank, world.size, topo.local_rank, topo.local_size,
                        topo.node, topo.num_nodes)
@@ -128,7 +141,7 @@ def _start(thread_level: str) -> Runtime:
         source = "emulated"
     else:
         source = "mpi-shared-memory"
-        if launch is not None and launch.local_rank is not None and launch.local_rank != topo.local_rank:
+        if launch_key is not None and launch_key != topo.local_rank:
             # MPI's shared-memory split is what the hardware is; a launcher can be configured
             # to describe something else (e.g. a wrapper script re-numbering tasks).
             notes.append(f"launcher {launch.launcher} says local rank {launch.local_rank}, MPI's "
@@ -137,7 +150,8 @@ def _start(thread_level: str) -> Runtime:
     lib, ver = _mpi_library()
     rt = Runtime(world=world, topology=topo, thread_level=granted,
                  thread_level_requested=thread_level, launch=launch, local_rank_source=source,
-                 mpi_library=lib, mpi_version=ver, we_initialized=we_init, notes=notes)
+                 mpi_library=lib, mpi_version=ver, we_initialized=we_init, notes=notes,
+                 joined=joined)
     for n in notes:
         _log.log(f"hpcddp.init: {n}")
     if launch is not None:

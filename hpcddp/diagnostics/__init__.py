@@ -45,7 +45,7 @@ def start_diagnostics(world, host: str, timeout=None, base=None):
 
     timeout: seconds (or a timedelta; 0 turns the watchdog off); None: HPCDDP_TIMEOUT.
     base: the mpi4py communicator the watchdog duplicates for its messages (default
-        MPI_COMM_WORLD; hpcddp.elastic passes the survivors' world after a lost rank).
+        WORLD's).
     Returns the Watchdog, or None for a single rank or a disabled watchdog.
     """
     global _watchdog, _atexit

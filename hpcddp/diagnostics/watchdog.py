@@ -2,7 +2,7 @@
 
 How it works (docs/hangs.md has the long version):
 
-- At init every rank duplicates COMM_WORLD into a communicator reserved for diagnostics
+- At init every rank duplicates hpcddp's world into a communicator reserved for diagnostics
   (never the user's, never an op's) and exchanges its PID and host name on it.
 - The thread wakes every ``poll`` seconds (a tenth of HPCDDP_TIMEOUT, at most 1 s). A rank is
   *stalled* when one of its threads waits in hpcddp code (an op, a Work, the mismatch check,
@@ -46,8 +46,9 @@ class Watchdog:
     def __init__(self, world, settings: _cfg.Settings, host: str, base=None):
         self.world = world                       # hpcddp's WORLD Communicator (for records)
         self.settings = settings
-        # collective: every rank runs init (base: the survivors' world in elastic mode)
-        self.diag = (MPI.COMM_WORLD if base is None else base).Dup()
+        # collective: every rank of the world runs init (a replacement rank that hpcddp.elastic
+        # spawned has an MPI_COMM_WORLD of its own: the world, not COMM_WORLD, is the job)
+        self.diag = (world.mpi if base is None else base).Dup()
         # hpcddp.elastic sets it: a dead peer is then ULFM's to handle, not a stall to report
         self.peer_failures_survivable = False
         self.rank = self.diag.Get_rank()

@@ -18,12 +18,13 @@ few lines::
 When a rank dies, the survivors' MPI calls fail (MPI_ERR_PROC_FAILED / MPI_ERR_REVOKED),
 the step is abandoned, and before the next batch the survivors shrink the world, take model,
 optimizer and scheduler state from one of them, rebuild the torch group and DDP, deal the
-rest of the epoch over themselves and retry.
+rest of the epoch over themselves and retry. With ``State(..., regrow=True)`` they then
+spawn a replacement per lost rank and go on at full size (docs/elastic.md, "Growing back").
 """
 from hpcddp.elastic._sampler import ElasticBatchSampler
-from hpcddp.elastic._state import Recovery, State, is_process_failure
+from hpcddp.elastic._state import Recovery, State, is_process_failure, is_replacement
 from hpcddp.elastic._support import (ElasticUnsupportedError, check_support,
                                      support_problem)
 
 __all__ = ["ElasticBatchSampler", "ElasticUnsupportedError", "Recovery", "State",
-           "check_support", "is_process_failure", "support_problem"]
+           "check_support", "is_process_failure", "is_replacement", "support_problem"]

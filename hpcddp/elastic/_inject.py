@@ -43,7 +43,12 @@ def parse(text: str | None) -> list[tuple[int, int, str]]:
     return out
 
 
+ENV_LOG = "HPCDDP_ELASTIC_KILL_LOG"    # set in replacement ranks: their job id is their own
+
+
 def kill_log_path() -> str:
+    if os.environ.get(ENV_LOG):
+        return os.environ[ENV_LOG]
     job = (os.environ.get("PMIX_NAMESPACE") or os.environ.get("SLURM_JOB_ID") or "job")
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in job)
     return os.path.join(tempfile.gettempdir(), f"hpcddp-elastic-kills-{safe}.log")

@@ -22,6 +22,7 @@ story. The parts:
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 
@@ -73,6 +74,15 @@ def is_process_failure(exc: BaseException, comm=None) -> bool:
         except Exception:
             return False
     return False
+
+
+def is_replacement() -> bool:
+    """Whether this process was spawned to replace a lost rank (``State(regrow=True)``). It
+    runs the job's script from the top and joins the survivors inside ``elastic.State``:
+    until then it makes no collective call but ``init_process_group``, and skips work done
+    once per job (staging, downloads, clearing old checkpoints)."""
+    from hpcddp.comm import startup
+    return startup.runtime().joined is not None
 
 
 # torch's DataLoader says so when one of its worker processes died (killed from outside: the
@@ -151,20 +161,27 @@ class State:
         verbose: the new rank 0 prints one line per recovery.
         fault_injection: ``"RANK@STEP[:PHASE],..."``: ranks that SIGKILL themselves (tests,
             demos; hpcddp.elastic._inject). Default: HPCDDP_ELASTIC_KILL.
+        regrow: after a loss, spawn a replacement for each lost rank and go on at full size
+            (docs/elastic.md, "Growing back"); where the launcher has no free slot the job goes
+            on smaller. Default: HPCDDP_ELASTIC_REGROW (off). A replacement runs the job's
+            command line from the top and joins the survivors in this constructor: before
+            it, a regrowing script makes no collective call but ``init_process_group``.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer, batch_sampler: ElasticBatchSampler,
                  *, scheduler=None, ddp_kwargs: dict | None = None, on_recovery=(),
                  topology_groups: bool = False, verbose: bool = True,
-                 fault_injection: str | None = None):
+                 fault_injection: str | None = None, regrow: bool | None = None):
         if not isinstance(batch_sampler, ElasticBatchSampler):
             raise TypeError(f"State: batch_sampler must be an hpcddp.elastic.ElasticBatchSampler, "
                             f"got {type(batch_sampler).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("State: call hpcddp.init_process_group() first")
         check_support()
+        from hpcddp import settings
         from hpcddp.comm import startup
         self._rt = startup.runtime()
+        self.regrow = settings.get().elastic_regrow if regrow is None else bool(regrow)
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
         self.sampler = batch_sampler
         self.ddp_kwargs = dict(ddp_kwargs or {})
@@ -179,18 +196,24 @@ class State:
         self.trained: list[tuple[int, int, list[int]]] = []  # (epoch, global step, indices)
         self.record_indices = False
         self.original_rank = self.world.world_ranks[self.world.rank]
-        # start-up rank -> host: which losses could be a cut link rather than a death
-        self._hosts = dict(zip(self.world.world_ranks,
-                               self.world.mpi.allgather(socket.gethostname())))
         self._failed = None
         self._stepped = False
         self._chunk = None
         self._failed_at = None
         self._first_step_after = None
+        joined = self._rt.joined
+        self.replacement = joined is not None    # spawned for a lost rank (hpcddp.comm.spawn)
+        self._job_ranks = set(joined["job_ranks"] if joined else self.world.world_ranks)
+        self._hosts = {}          # start-up rank -> host: which losses could be a cut link
+        if joined is not None:    # the survivors' recovery goes on from their restore
+            self._hosts.update(joined["hosts"])
+            self._restore(self.world.world_ranks.index(joined["source"]))
+        self._gather_hosts()
         if fault_injection is None:
-            from hpcddp import settings
             fault_injection = settings.get().elastic_kill
-        self._kills = [k for k in _inject.parse(fault_injection) if k[0] == self.original_rank]
+        # a replacement skips the kills up to the step it joined in (its predecessor's)
+        self._kills = [k for k in _inject.parse(fault_injection) if k[0] == self.original_rank
+                       and (joined is None or k[1] > self.global_step)]
         optimizer.register_step_pre_hook(lambda *a: self._maybe_die("optimizer"))
         optimizer.register_step_post_hook(self._on_optimizer_step)
         if any(p == "forward" for _, _, p in self._kills):
@@ -201,6 +224,8 @@ class State:
         if topology_groups:
             from hpcddp.backend import topology_groups as tg
             self.groups = tg()
+        if joined is not None:
+            self._joined(joined)
 
     # -- what the loop sees ------------------------------------------------------------------
     @property
@@ -333,7 +358,8 @@ class State:
             if self._failed_at is None:
                 self._failed_at = time.time()
             self.recover(exc)
-            return self.pos >= self.sampler.epoch_samples
+            # the epoch ends with an agreement of the new world (replacements included)
+            return False
 
     def recover(self, cause: BaseException | None = None) -> Recovery:
         """Revoke, shrink, agree, restore, rebuild (every survivor calls it)."""
@@ -343,6 +369,8 @@ class State:
         detected = self._failed_at or time.time()
         t0 = time.perf_counter()
         old_ranks = set(self.world.world_ranks)
+        lost: set = set()
+        replaced, spawn_tries, no_slot = [], 0, None
         comm = self.world.mpi
         old_model, self.model = self.model, None
         _unhook(old_model)
@@ -364,15 +392,29 @@ class State:
                 new = comm.Shrink()
             new.Set_errhandler(MPI.ERRORS_RETURN)
             lap("revoke_shrink")
-            if not holds_majority(old_ranks, set(translate_to_world(new)), self._hosts):
+            shrunk = set(translate_to_world(new))
+            lost |= set(translate_to_world(comm)) - shrunk
+            if not holds_majority(old_ranks, shrunk, self._hosts):
                 _stop_on_the_minority_side(new, old_ranks, self._hosts)
             try:
                 mine = (self.epoch, self.pos, self.global_step)
                 best = new.allreduce((mine, -new.Get_rank()), op=MPI.MAX)
                 src = -best[1]
                 lap("agree")
-                self._rebuild_world(new, lap)
+                grown = False
+                if self.regrow and self._job_ranks - shrunk and spawn_tries < MAX_SPAWN_TRIES:
+                    spawn_tries += 1
+                    got = self._grow(new, src)
+                    lap("spawn_merge")
+                    if isinstance(got, str):
+                        no_slot = got
+                    else:
+                        new, src, placed = got
+                        replaced += placed
+                        grown = True
+                self._rebuild_world(new, lap, grown)
                 self._restore(src)
+                self._gather_hosts()
                 lap("restore")
                 break
             except Exception as exc:
@@ -381,8 +423,7 @@ class State:
                 if not is_process_failure(exc, new):
                     raise
                 comm = new            # another rank was lost while recovering: again
-        now_ranks = set(translate_to_world(self.world.mpi))
-        lost = sorted(old_ranks - now_ranks)
+        lost = sorted(lost)
         redealt = len(self.sampler.chunks(self.pos))
         self.sampler.repartition(self.size, self.rank, self.pos)
         self.model = self._wrap()
@@ -394,10 +435,15 @@ class State:
             fn(self)
         lap("groups_callbacks")
         seconds = time.perf_counter() - t0
+        full = set(self.world.world_ranks) == self._job_ranks
+        kill = _inject.kill_times()
+        t_kill = min((kill[r] for r in lost if r in kill), default=None)
         rec = Recovery(lost=lost, world_size=self.size, step=self.global_step, epoch=self.epoch,
                        position=self.pos, steps_redealt=redealt, source_rank=src,
                        seconds=seconds, phases=phases, detected_at=detected,
-                       cause=repr(cause)[:200],
+                       cause=repr(cause)[:200], replaced=replaced, no_slot=no_slot,
+                       kill_to_full_size_s=(time.time() - t_kill if full and replaced
+                                            and t_kill is not None else None),
                        first_step_at=None, kill_to_step_s=None, detect_to_step_s=None)
         self.recoveries.append(rec)
         _exit_without_finalize()
@@ -409,11 +455,61 @@ class State:
                      f"{self.global_step} (epoch {self.epoch + 1}, {self.pos} of "
                      f"{self.sampler.epoch_samples} samples done); recovered in {seconds:.3f} s "
                      f"on {self.size} rank(s): state from rank {src}, the epoch's last "
-                     f"{redealt} step(s) dealt over the survivors")
+                     f"{redealt} step(s) dealt over the "
+                     f"{'world grown back' if replaced else 'survivors'}")
+            for r, host in replaced:
+                _log.log(f"elastic: rank {r} replaced: a new process started on "
+                         f"{host or 'a free slot'} (MPI_Comm_spawn) joined the world")
+            if no_slot is not None:
+                _log.log(f"elastic: {NO_SLOT_LINE} for rank{'s' if len(lost) != 1 else ''} "
+                         f"{', '.join(map(str, lost))} ({no_slot[:160]}): the job goes on with "
+                         f"{self.size} of {len(self._job_ranks)} ranks")
+            if rec.kill_to_full_size_s is not None:
+                _log.log(f"elastic: back to full size ({self.size} ranks); kill -> full size "
+                         f"{rec.kill_to_full_size_s:.2f} s")
         return rec
 
-    def _rebuild_world(self, new, lap) -> None:
-        """hpcddp's world, topology and watchdog, and torch's default group, on NEW."""
+    def _grow(self, shrunk, src: int):
+        """Spawn a replacement for every start-up rank the world lacks and merge them in
+        (hpcddp.comm.spawn): (world, source rank in it, [(rank, host)]), or why not (a str)
+        where the launcher has no free slot. Collective over the survivors (SHRUNK)."""
+        MPI = _mpi()
+        from hpcddp.comm.communicator import translate_to_world
+        from hpcddp.comm.spawn import spawn_replacements
+        now = translate_to_world(shrunk)
+        missing = sorted(self._job_ranks - set(now))
+        message = {"source": now[src], "hosts": self._hosts, "job_ranks": sorted(self._job_ranks),
+                   "kill_log": _inject.kill_log_path()}
+        try:
+            with _stuck_after(SPAWN_LIMIT_S, "MPI_Comm_spawn of replacement ranks"):
+                world, ranks, placed = spawn_replacements(shrunk, missing, self._hosts,
+                                                          self.original_rank, message)
+        except MPI.Exception as exc:
+            if is_process_failure(exc, shrunk):
+                raise
+            return str(exc).strip() or type(exc).__name__
+        return world, ranks.index(now[src]), list(zip(missing, placed))
+
+    def _joined(self, joined: dict) -> None:
+        """The end of a replacement's constructor: what the survivors do after the restore."""
+        import os
+        os.environ[_inject.ENV_LOG] = joined["kill_log"]
+        for fn in self.on_recovery:
+            fn(self)
+        _exit_without_finalize(replacement=True)
+        if self.verbose:
+            from hpcddp.comm import output as _log
+            _log.log(f"elastic: replacement for rank {self.original_rank} started on "
+                     f"{socket.gethostname()} and joined the world of {self.size} before step "
+                     f"{self.global_step} (epoch {self.epoch + 1})")
+
+    def _gather_hosts(self) -> None:
+        self._hosts.update(zip(self.world.world_ranks,
+                               self.world.mpi.allgather(socket.gethostname())))
+
+    def _rebuild_world(self, new, lap, grown: bool = False) -> None:
+        """hpcddp's world, topology and watchdog, and torch's default group, on NEW (in the
+        order a replacement's hpcddp.init and init_process_group run them, when GROWN)."""
         from hpcddp.backend import bootstrap_store
         from hpcddp.comm import startup
         from hpcddp.comm.communicator import Communicator, translate_to_world
@@ -430,8 +526,9 @@ class State:
         rt.world = world
         launch = rt.launch
         key = launch.local_rank if launch is not None and launch.local_rank is not None else None
-        if rt.local_rank_source == "emulated" or key is None or emulated_ranks_per_node():
-            key = None
+        if (rt.local_rank_source == "emulated" or key is None or emulated_ranks_per_node()
+                or grown or rt.joined is not None):
+            key = None       # a replacement has no launcher's local rank on this node
         rt.topology = build_topology(world, emulated_ranks_per_node(), key)
         lap("topology")
         _restart_watchdog(world, rt.topology.hostname)
@@ -499,6 +596,11 @@ def _ranks_on_nodes(ranks, hosts: dict) -> str:
 
 
 MINORITY_EXIT = 1
+# spawn attempts in one recovery (a replacement lost while joining is replaced again)
+MAX_SPAWN_TRIES = 3
+# a replacement imports torch and the user's script before it joins: seconds on a loaded node
+SPAWN_LIMIT_S = 300.0
+NO_SLOT_LINE = "no free slot for a replacement"
 # ULFM's shrink returns in well under a second once every lost rank is reported failed. Seen
 # with Open MPI 5.0.11 on 4 virtual nodes, one cut off, before hpcddp.comm._mpi passed failures
 # on over MPI's reliable broadcast: the lost rank was reported to some survivors and never to
@@ -572,7 +674,7 @@ _exit_code = [0]
 _exit_installed = [False]
 
 
-def _exit_without_finalize() -> None:
+def _exit_without_finalize(replacement: bool = False) -> None:
     """After a lost rank, end this process at exit without MPI_Finalize.
 
     Open MPI 5.0's MPI_Finalize runs a fence over every process of the job, the dead ones
@@ -582,6 +684,9 @@ def _exit_without_finalize() -> None:
     output and calls os._exit: with sys.exit's code, 1 after an uncaught exception, else 0
     (``raise SystemExit(n)`` without sys.exit is not seen: it exits 0). atexit handlers
     registered before the recovery do not run then (register yours in ``on_recovery``).
+
+    A REPLACEMENT rank (spawned) finalizes PMIx first: its launcher counts a spawned process
+    that exits without it as an abnormal end of the whole job.
     """
     if _exit_installed[0]:
         return
@@ -632,8 +737,30 @@ def _exit_without_finalize() -> None:
         except Exception:
             pass
         _flush_output()
+        if replacement:
+            _leave_launcher_cleanly()
         os._exit(_exit_code[0])
     atexit.register(finish)
+
+
+def _leave_launcher_cleanly() -> None:
+    """Tell the launcher (PMIx) this process ends normally, without MPI_Finalize.
+
+    MPI_Finalize in a spawned replacement disconnects from every process it shares a
+    communicator with, and waits for survivors that have already left (seen: for good). A
+    spawned process that exits without finalizing PMIx is, for Open MPI's launcher, an
+    abnormal end of the whole job (mpirun exit 1), so it finalizes PMIx alone."""
+    import ctypes
+    for name in ("libpmix.so.2", "libpmix.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 4) | ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        try:
+            lib.PMIx_Finalize(None, ctypes.c_size_t(0))
+        except Exception:
+            pass
+        return
 
 
 def failed_world_ranks(comm) -> list[int]:
@@ -644,14 +771,10 @@ def failed_world_ranks(comm) -> list[int]:
     except MPI.Exception:
         return []
     try:
-        n = failed.Get_size()
-        if n == 0:
+        if failed.Get_size() == 0:
             return []
-        world = MPI.COMM_WORLD.Get_group()
-        try:
-            return sorted(MPI.Group.Translate_ranks(failed, list(range(n)), world))
-        finally:
-            world.Free()
+        from hpcddp.comm.communicator import translate_group_to_world
+        return sorted(translate_group_to_world(failed))
     finally:
         failed.Free()
 
