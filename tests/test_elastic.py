@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from hpcddp.launch.mpirun import run_mpi
+from hpcddp.launch.mpirun import mpirun_command, run_mpi
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "scripts" / "elastic_train.py")
@@ -163,6 +163,84 @@ def test_demo_elastic(tmp_path):
                          env=_env())
     assert res.returncode == 2, res.stdout + res.stderr
     assert "hpcddp demo --elastic: Open MPI runs this job without fault tolerance" in res.stderr
+
+
+def _left_behind(tmp, wait=10.0):
+    """The job's processes (their command line names TMP) still running after WAIT seconds."""
+    import subprocess
+    deadline = time.monotonic() + wait
+    while True:
+        found = subprocess.run(["pgrep", "-f", str(tmp)], capture_output=True, text=True).stdout
+        if not found.strip() or time.monotonic() > deadline:
+            return found.split()
+        time.sleep(0.5)
+
+
+def _launch(mpirun_cmd, env):
+    """MPIRUN_CMD under `hpcddp launch`, as the templates and the demo run elastic jobs (a
+    replacement rank is a job of its own for Open MPI's mpirun: its status is read there)."""
+    import subprocess
+    cmd = [sys.executable, "-m", "hpcddp", "launch", "--timeout", str(TIMEOUT), "--", *mpirun_cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT + 30, env=env)
+
+
+def _check_regrown(tmp, res, nprocs, killed):
+    """Grown back: every start-up rank finishes (replacements in place of the lost), at full
+    size, with the same parameters bit for bit; each sample once; nothing left running."""
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, f"exit {res.returncode}\n{out[-5000:]}"
+    finals = {int(p.name.split(".")[1]): json.loads(p.read_text()) for p in tmp.glob("final.*.json")}
+    assert sorted(finals) == list(range(nprocs)), (sorted(finals), out[-3000:])
+    assert len({f["params"] for f in finals.values()}) == 1, "ranks' parameters differ"
+    assert {(f["size"], f["global_step"]) for f in finals.values()} == {(nprocs, STEPS)}, finals
+    never_lost = min(set(range(nprocs)) - set(killed))
+    recs = finals[never_lost]["recoveries"]
+    assert sorted(r for rec in recs for r in rec["lost"]) == sorted(killed), recs
+    assert sorted(r for rec in recs for r, _ in rec["replaced"]) == sorted(killed), recs
+    for r in set(killed):
+        assert f"[rank{r}] elastic: replacement for rank {r} started on" in out, out[-3000:]
+    assert "elastic: back to full size" in out and "kill -> full size" in out
+    _check_samples(tmp, nprocs)
+    assert not _left_behind(tmp), "processes left behind"
+    return finals
+
+
+@needs_ulfm
+@pytest.mark.parametrize("nprocs,kill,workers", [
+    (3, "1@5:backward", 0),                  # one loss replaced
+    (4, "2@3:forward", 1),                   # with a DataLoader worker per rank
+    (3, "0@7:optimizer", 0),                 # rank 0 (the store's host) lost and replaced
+    (4, "1@4:backward,3@4:backward", 0),     # two losses at once
+    (3, "1@3:backward,1@12:forward", 0),     # the replacement itself lost and replaced
+], ids=["one-3", "worker-4", "rank0-3", "two-at-once-4", "replacement-lost-3"])
+def test_regrow(tmp_path, nprocs, kill, workers):
+    """State(regrow=True) (HPCDDP_ELASTIC_REGROW=1): each lost rank is replaced by a spawned
+    process and the job ends at full size."""
+    env = _env(HPCDDP_ELASTIC_KILL=kill, HPCDDP_ELASTIC_REGROW="1", TMPDIR=str(tmp_path))
+    res = _launch(mpirun_command(nprocs, [sys.executable, SCRIPT, str(tmp_path), str(EPOCHS),
+                                          str(BATCH), str(workers)], extra=ULFM), env)
+    killed = [int(k.split("@")[0]) for k in kill.split(",")]
+    finals = _check_regrown(tmp_path, res, nprocs, killed)
+    if kill.count("1@") == 2:
+        assert len(finals[0]["recoveries"]) == 2
+
+
+@needs_ulfm
+def test_regrow_without_a_free_slot_goes_on_smaller(tmp_path):
+    """3 slots on this host (`--host localhost:3`, no oversubscription): the lost rank's slot
+    stays taken, the replacement cannot start, and the job goes on with 2 ranks, saying so;
+    `hpcddp launch` gives the survivors' status (mpirun's own is 213 for the failed spawn)."""
+    from hpcddp.launch.mpirun import find_mpirun
+    env = _env(HPCDDP_ELASTIC_KILL="1@5:backward", HPCDDP_ELASTIC_REGROW="1",
+               TMPDIR=str(tmp_path))
+    res = _launch([find_mpirun(), "-n", "3", "--host", "localhost:3", "--bind-to", "none",
+                   *(["--allow-run-as-root"] if os.geteuid() == 0 else []), *ULFM,
+                   sys.executable, SCRIPT, str(tmp_path), str(EPOCHS), str(BATCH), "0"], env)
+    out = res.stdout + res.stderr
+    _check(tmp_path, res, 3, [1])
+    assert "elastic: no free slot for a replacement for rank 1" in out, out[-3000:]
+    assert "the job goes on with 2 of 3 ranks" in out
+    assert not _left_behind(tmp_path)
 
 
 def test_lost_rank_outside_elastic_mode_ends_the_job():

@@ -33,7 +33,8 @@ from hpcddp.diagnostics.abort import CUT_READ_ERRORS, WORKER_EXIT_WAIT_S
 from hpcddp.elastic import _inject
 from hpcddp.elastic._sampler import ElasticBatchSampler
 from hpcddp.elastic._support import check_support
-from hpcddp.launch.mpirun import MINORITY_STOPS_LINE, RECOVERY_STUCK_LINE, SURVIVOR_LEFT_LINE
+from hpcddp.launch.mpirun import (MINORITY_STOPS_LINE, NO_SLOT_LINE, RECOVERY_STUCK_LINE,
+                                  REPLACEMENT_LINE, SURVIVOR_LEFT_LINE)
 
 FAILURE_MARKERS = ("MPI_ERR_PROC_FAILED", "MPI_ERR_REVOKED", "PROC_FAILED", "REVOKED")
 
@@ -193,6 +194,7 @@ class State:
         self.pos = 0                      # committed position in the epoch's order
         self.global_step = 0              # committed steps over the whole run
         self.recoveries: list[Recovery] = []
+        self.generation = 0               # recoveries this world went through (all ranks agree)
         self.trained: list[tuple[int, int, list[int]]] = []  # (epoch, global step, indices)
         self.record_indices = False
         self.original_rank = self.world.world_ranks[self.world.rank]
@@ -207,6 +209,7 @@ class State:
         self._hosts = {}          # start-up rank -> host: which losses could be a cut link
         if joined is not None:    # the survivors' recovery goes on from their restore
             self._hosts.update(joined["hosts"])
+            self.generation = joined["generation"]
             self._restore(self.world.world_ranks.index(joined["source"]))
         self._gather_hosts()
         if fault_injection is None:
@@ -333,7 +336,7 @@ class State:
             rec.kill_to_step_s = None if t_kill is None else rec.first_step_at - t_kill
             rec.detect_to_step_s = rec.first_step_at - rec.detected_at
             self._first_step_after = None
-            if self.verbose and self.rank == 0:
+            if self.verbose and self._reports():
                 from hpcddp.comm import output as _log
                 extra = "" if rec.kill_to_step_s is None else \
                     f"; kill -> first completed step {rec.kill_to_step_s:.3f} s"
@@ -446,10 +449,11 @@ class State:
                                             and t_kill is not None else None),
                        first_step_at=None, kill_to_step_s=None, detect_to_step_s=None)
         self.recoveries.append(rec)
+        self.generation += 1
         _exit_without_finalize()
         self._failed, self._failed_at, self._stepped = None, None, False
         self._first_step_after = rec
-        if self.verbose and self.rank == 0:
+        if self.verbose and self._reports():
             _log.log(f"elastic: lost rank{'s' if len(lost) != 1 else ''} "
                      f"{_ranks_on_nodes(lost, self._hosts)} (start-up numbering) before step "
                      f"{self.global_step} (epoch {self.epoch + 1}, {self.pos} of "
@@ -469,6 +473,13 @@ class State:
                          f"{rec.kill_to_full_size_s:.2f} s")
         return rec
 
+    def _reports(self) -> bool:
+        """Whether this rank prints the recovery's lines: the lowest survivor (a replacement
+        may be rank 0 now, and knows nothing of the recovery)."""
+        rec = self.recoveries[-1] if self.recoveries else None
+        new = {r for r, _ in rec.replaced} if rec is not None else set()
+        return self.original_rank == min(set(self.world.world_ranks) - new, default=-1)
+
     def _grow(self, shrunk, src: int):
         """Spawn a replacement for every start-up rank the world lacks and merge them in
         (hpcddp.comm.spawn): (world, source rank in it, [(rank, host)]), or why not (a str)
@@ -479,7 +490,7 @@ class State:
         now = translate_to_world(shrunk)
         missing = sorted(self._job_ranks - set(now))
         message = {"source": now[src], "hosts": self._hosts, "job_ranks": sorted(self._job_ranks),
-                   "kill_log": _inject.kill_log_path()}
+                   "kill_log": _inject.kill_log_path(), "generation": self.generation + 1}
         try:
             with _stuck_after(SPAWN_LIMIT_S, "MPI_Comm_spawn of replacement ranks"):
                 world, ranks, placed = spawn_replacements(shrunk, missing, self._hosts,
@@ -499,7 +510,7 @@ class State:
         _exit_without_finalize(replacement=True)
         if self.verbose:
             from hpcddp.comm import output as _log
-            _log.log(f"elastic: replacement for rank {self.original_rank} started on "
+            _log.log(f"{REPLACEMENT_LINE.format(rank=self.original_rank)} "
                      f"{socket.gethostname()} and joined the world of {self.size} before step "
                      f"{self.global_step} (epoch {self.epoch + 1})")
 
@@ -600,7 +611,6 @@ MINORITY_EXIT = 1
 MAX_SPAWN_TRIES = 3
 # a replacement imports torch and the user's script before it joins: seconds on a loaded node
 SPAWN_LIMIT_S = 300.0
-NO_SLOT_LINE = "no free slot for a replacement"
 # ULFM's shrink returns in well under a second once every lost rank is reported failed. Seen
 # with Open MPI 5.0.11 on 4 virtual nodes, one cut off, before hpcddp.comm._mpi passed failures
 # on over MPI's reliable broadcast: the lost rank was reported to some survivors and never to

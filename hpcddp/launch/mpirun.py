@@ -136,11 +136,19 @@ PRTE_NO_KEEPALIVE = {"PRTE_MCA_oob_tcp_keepalive_time": "0"}
 # majority, as it stops; a recovery that is stuck
 SURVIVOR_LEFT_LINE = "elastic: rank {rank} of {size} leaves the job, exit {code}"
 MINORITY_STOPS_LINE = "no majority, this side stops"
+# An elastic job that grows back: a replacement rank joined, or none could start (the job goes
+# on smaller). Open MPI's mpirun runs a replacement as a job of its own, without fault
+# tolerance: a spawn that failed (213) or a replacement lost later (137) makes its exit status
+# non-zero at the end, whatever the elastic job did
+REPLACEMENT_LINE = "elastic: replacement for rank {rank} started on"
+NO_SLOT_LINE = "no free slot for a replacement"
 RECOVERY_STUCK_LINE = "elastic: the recovery is stuck"
 SURVIVOR_LEFT = re.compile(re.escape(SURVIVOR_LEFT_LINE).replace(r"\{rank\}", r"(\d+)")
                            .replace(r"\{size\}", r"(\d+)").replace(r"\{code\}", r"(-?\d+)")
                            .encode())
 MINORITY_STOPS, RECOVERY_STUCK = MINORITY_STOPS_LINE.encode(), RECOVERY_STUCK_LINE.encode()
+NO_SLOT = NO_SLOT_LINE.encode()
+REPLACEMENT = re.compile(re.escape(REPLACEMENT_LINE).replace(r"\{rank\}", r"\d+").encode())
 # How long a launcher may take to end after every survivor left: Open MPI's takes a second
 SURVIVORS_GRACE = 10.0
 
@@ -182,6 +190,8 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
     - a launcher that lost a node's daemon and then exits 0 (PRRTE does) gets status 1;
     - in an elastic job that lost a node, a launcher still running SURVIVORS_GRACE seconds
       after every survivor left (it waits for the node) is ended, with the survivors' status;
+      one that exits non-zero for a replacement rank (it could not start one, or one was lost)
+      gets the status of the ranks that finished;
       a side of a cut network that stops (no majority) counts as an abort.
     NAME prefixes the lines that say so. ENV gets ``launcher_env`` (PRRTE's keepalives).
     """
@@ -228,6 +238,11 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
             print(f"{name}: the launcher lost node {seen.lost_node} (its daemon stopped "
                   f"answering) and ended the job, yet exited 0: exit {JOB_FAILED}", file=sys.stderr)
             return JOB_FAILED
+        if rc != 0 and seen.regrown and seen.status is not None:
+            print(f"{name}: the launcher exited {rc} for a replacement rank (one it could not "
+                  f"start, or one lost later); every rank of the elastic job left with "
+                  f"{seen.status}: exit {seen.status}", file=sys.stderr)
+            return seen.status
         return rc
     except (KeyboardInterrupt, _Terminated) as exc:
         _end_group(proc, signal.SIGTERM)
@@ -257,6 +272,7 @@ class _LauncherOutput:
         self.lost_node = ""
         self.status = None      # the survivors' status, once every survivor left
         self.left: dict = {}    # survivor's rank -> its exit status (elastic jobs)
+        self.regrown = False    # an elastic job that started (or tried) a replacement rank
 
     def relay(self, pipe, out) -> None:
         """Copy PIPE to OUT as the bytes come (progress bars redraw with a bare \\r) and read
@@ -277,6 +293,8 @@ class _LauncherOutput:
         pipe.close()
 
     def _note(self, line: bytes) -> None:
+        if NO_SLOT in line or REPLACEMENT.search(line):
+            self.regrown = True
         code = _ERRORCODE.search(line)
         if code and not self.errorcode:
             self.errorcode = int(code.group(1))

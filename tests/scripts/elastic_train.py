@@ -54,7 +54,7 @@ def main():
     log = open(os.path.join(out, f"trained.{me}"), "a")
     for epoch in state.epochs(epochs):
         for x, y, idx in state.batches(loader):
-            gen = len(state.recoveries)     # which world this attempt runs on
+            gen = state.generation          # which world this attempt runs on
             log.write(json.dumps(["attempt", epoch, state.global_step, gen, idx.tolist()]) + "\n")
             log.flush()
             with state.step():
