@@ -199,7 +199,7 @@ def _check_regrown(tmp, res, nprocs, killed):
     assert sorted(r for rec in recs for r, _ in rec["replaced"]) == sorted(killed), recs
     for r in set(killed):
         assert f"[rank{r}] elastic: replacement for rank {r} started on" in out, out[-3000:]
-    assert "elastic: back to full size" in out and "kill -> full size" in out
+    assert "elastic: back to full size" in out and "kill -> full size" in out, out[-3000:]
     _check_samples(tmp, nprocs)
     assert not _left_behind(tmp), "processes left behind"
     return finals

@@ -154,6 +154,31 @@ def test_elastic_loss_outside_the_step_ends_the_job_saying_why(tmp_path, phase, 
         assert sorted((tmp_path / "ckpt").glob("ckpt-*.pt")) == []
 
 
+def test_demo_regrow_after_a_rank_killed_from_outside(tmp_path):
+    """`hpcddp demo --elastic --regrow` at 4 ranks, rank 2 SIGKILLed from this process in
+    epoch 4: a replacement starts, the job ends at 4 ranks, exit 0, accuracy >= 0.95, and
+    says when the replacement started and how long the job took to be whole again."""
+    job = Job(0, [], outfile=tmp_path / "out.txt", timeout=WALL, env=_env(),
+              cmd=[sys.executable, "-m", "hpcddp", "demo", "--elastic", "--regrow",
+                   "--nprocs", "4", "--workdir", str(tmp_path / "w"),
+                   "--stage-dest", str(tmp_path / "local" / "node{node}"),
+                   "--results", str(tmp_path / "r.json")])
+    job.wait_for(r"\[train\] epoch  3/")
+    job.kill_rank(2)
+    rc, out, _ = _ended_cleanly(job)
+    assert rc == 0, out[-4000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["world_size"] == 4 and r["accuracy"] >= 0.95, r
+    assert r["elastic"]["lost_ranks"] == [2], r["elastic"]
+    rec = r["elastic"]["recoveries"][0]
+    assert [x[0] for x in rec["replaced"]] == [2] and rec["detect_to_full_size_s"] > 0, rec
+    assert re.search(r"\[rank2\] elastic: replacement for rank 2 started on \S+ and joined the "
+                     r"world of 4", out), out[-3000:]
+    assert "[rank0] [elastic] finished on 4 of 4 ranks" in out
+    assert re.search(r"\[rank0\] \[elastic\] rank 2 replaced by a new process on \S+: failure "
+                     r"seen -> full size \d", out), out[-3000:]
+
+
 def _cli(tmp, nprocs, hold, target, argv, **env):
     return Job(nprocs, [sys.executable, HOLD, f"hold:{hold}", str(target), *argv],
                outfile=tmp / "out.txt", timeout=WALL, env=_env(**env))

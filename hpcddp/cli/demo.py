@@ -30,6 +30,7 @@ or under your launcher, on any number of ranks and nodes (no --nprocs then):
 With --elastic the job survives lost ranks (mpirun --with-ft ulfm; docs/elastic.md):
 
     hpcddp demo --elastic --nprocs 3 --kill-rank 1 --kill-step 100
+    hpcddp demo --elastic --regrow --nprocs 4 --kill-rank 2 --kill-step 100   # back to 4
 
 Expect held-out accuracy of about 0.98 (0.9861 with the default seed) in under a minute on
 2 cores. The same seed and global batch give the same final parameters on any number of
@@ -105,7 +106,10 @@ def launch(cfg, *, nprocs: int, ranks_per_node=None, timeout: float = 600.0) -> 
     env.setdefault("PYTHONUNBUFFERED", "1")
     argv = [sys.executable, "-m", "hpcddp", "demo", *cfg.to_argv()]
     try:
-        cmd = mpirun_command(nprocs, argv, fault_tolerant=cfg.elastic)
+        # a replacement rank (--regrow) needs a free slot: on this one machine, one more
+        # process than the ranks (mpirun_command oversubscribes beyond the cores anyway)
+        extra = ["--oversubscribe"] if cfg.regrow and nprocs <= (os.cpu_count() or 1) else []
+        cmd = mpirun_command(nprocs, argv, fault_tolerant=cfg.elastic, extra=extra)
     except FileNotFoundError as exc:
         print(f"hpcddp demo: {exc}", file=sys.stderr)
         return 2

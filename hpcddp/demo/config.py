@@ -46,6 +46,7 @@ class DemoConfig:
     save_params: str = ""
     results: str = ""
     elastic: bool = False
+    regrow: bool = False
     kill_rank: int | None = None
     kill_step: int | None = None
     kill_phase: str = "backward"
@@ -84,6 +85,9 @@ class DemoConfig:
                     self.kill_rank)
             if self.kill_rank < 0 or self.kill_step < 0:
                 bad("--kill-rank/--kill-step", "ints >= 0", (self.kill_rank, self.kill_step))
+        if self.regrow and not self.elastic:
+            bad("--regrow", "used with --elastic (it replaces the ranks elastic mode lost)",
+                self.regrow)
         if self.kill_phase not in KILL_PHASES:
             bad("--kill-phase", f"one of {list(KILL_PHASES)}", self.kill_phase)
         if self.elastic and self.backend != "hpcddp":
@@ -186,6 +190,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic", action="store_true",
                    help="survive lost ranks (hpcddp.elastic over ULFM; `hpcddp demo` then starts "
                         "mpirun --with-ft ulfm): training goes on on the survivors")
+    g.add_argument("--regrow", action="store_true",
+                   help="with --elastic: after a loss, start a replacement rank (MPI_Comm_spawn) "
+                        "and go on at full size; without a free slot the job goes on smaller")
     g.add_argument("--kill-rank", type=int, default=d.kill_rank, metavar="R",
                    help="with --elastic: rank R SIGKILLs itself at step --kill-step (a failure "
                         "to watch the job survive)")

@@ -79,18 +79,23 @@ class _Phases:
     """Wall time per phase, measured between barriers (rank 0's clock): a phase lasts as long
     as its slowest rank."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, joining: bool = False):
         self.comm = comm
+        # a replacement rank (elastic --regrow) joins in the middle of training: the barriers
+        # before that point were passed before it existed
+        self.joining = joining
         self.times: dict[str, float] = {}
         self._name = None
         self._t0 = 0.0
 
     def start(self, name: str) -> None:
-        _idle_barrier(self.comm)
+        if not self.joining:
+            _idle_barrier(self.comm)
         self._name, self._t0 = name, time.perf_counter()
 
     def stop(self) -> float:
-        _idle_barrier(self.comm)
+        if not self.joining:
+            _idle_barrier(self.comm)
         dt = time.perf_counter() - self._t0
         self.times[self._name] = dt
         return dt
@@ -126,12 +131,17 @@ def run_job(cfg: DemoConfig) -> dict:
         f"{' (emulated: HPCDDP_RANKS_PER_NODE=%d)' % topo.local_size if topo.emulated else ''}, "
         f"backend {cfg.backend}, {cfg.format}, {cfg.epochs} epochs, global batch {global_batch} "
         f"({global_batch // size} per rank), {cfg.workers} loader worker(s) per rank")
-    phases = _Phases(comm)
-    ages = comm.allgather(age)
+    # a replacement for a lost rank (--elastic --regrow) joins the job inside elastic.State:
+    # until then it makes no collective call (the others are training)
+    replacement = rt.joined is not None
+    phases = _Phases(comm, joining=replacement)
+    ages = [age] if replacement else comm.allgather(age)
     if all(a is not None for a in ages):
         phases.times["launch"] = max(ages)  # process start -> here, slowest rank
 
-    if cfg.staged:
+    if replacement:
+        staged = _staged_for_replacement(cfg, topo, packed)
+    elif cfg.staged:
         # a job step staged the data already (jobs/slurm/demo.sbatch): find this node's copy
         base = hdata.resolve_dest(cfg.staged, topo.node, topo.hostname)
         staged = {s: os.path.join(base, s) for s in ("train", "test")}
@@ -144,8 +154,10 @@ def run_job(cfg: DemoConfig) -> dict:
     say(f"[train] {len(run.train_ds)} samples, {run.steps_per_epoch} steps of {global_batch} per "
         f"epoch, DDP over {dist.get_backend()} on {dist.get_world_size()} rank(s)")
     trained, preempted, train_s = _train(cfg, run, phases, say, global_batch)
+    elastic_info = None
     if run.state is not None:
-        for line in _elastic_lines(run.state, size):
+        elastic_info, lines = _elastic_report(run.state, size)
+        for line in lines:
             say(line)
     # 5. evaluate
     metrics, evaluated, eval_s = _evaluate(cfg, run, phases)
@@ -153,17 +165,13 @@ def run_job(cfg: DemoConfig) -> dict:
         _save_atomic({k: v.detach().clone() for k, v in run.model.state_dict().items()},
                      cfg.save_params)
     total_s = time.perf_counter() - t_job + phases.times.get("launch", 0.0)
-    state = run.state
     results = {
         "accuracy": metrics["accuracy"], "test_loss": metrics["loss"],
         "test_samples": evaluated, "train_samples": len(run.train_ds),
         "world_size": hpcddp.world().size, "nodes": topo.num_nodes, "backend": cfg.backend,
         "format": cfg.format, "epochs": cfg.epochs, "global_batch": global_batch,
         "dtype": cfg.dtype, "preempted": preempted,
-        "elastic": None if state is None else {
-            "lost_ranks": sorted(r for rec in state.recoveries for r in rec.lost),
-            "recoveries": [{k: v for k, v in rec.__dict__.items() if k != "cause"}
-                           for rec in state.recoveries]},
+        "elastic": elastic_info,
         "phases_s": dict(phases.times, total=total_s),
         "train_samples_per_s": trained / train_s if trained else 0.0,
         "eval_samples_per_s": evaluated / eval_s if eval_s > 0 else 0.0,
@@ -233,7 +241,8 @@ def _setup_training(cfg: DemoConfig, phases, staged: dict, workdir: str, global_
             phases.comm = st.world.mpi
             ckpt._sync = type(ckpt._sync)(st.world)
         run.state = elastic.State(model, opt, run.sampler, scheduler=sched,
-                                  on_recovery=[after_recovery], fault_injection=kill)
+                                  on_recovery=[after_recovery], fault_injection=kill,
+                                  regrow=cfg.regrow)
         run.ddp = run.state.model
     else:
         run.ddp = DDP(model)
@@ -246,7 +255,7 @@ def _setup_training(cfg: DemoConfig, phases, staged: dict, workdir: str, global_
             opt.load_state_dict(found.state["optimizer"])
             sched.load_state_dict(found.state["scheduler"])
             run.start_epoch = found.step
-    elif rank == 0:
+    elif rank == 0 and not (run.state is not None and run.state.replacement):
         _clear_checkpoints(ckpt)
     phases.stop()
     return run
@@ -266,6 +275,7 @@ def _train(cfg: DemoConfig, run: _Run, phases, say, global_batch: int) -> tuple:
     dtype = getattr(torch, cfg.dtype)
     size = hpcddp.world().size
     phases.start("train")
+    phases.joining = False      # a replacement rank: from here on, in step with the others
     trained = 0
     preempted = False
     epochs = state.epochs(cfg.epochs) if state else range(run.start_epoch, cfg.epochs)
@@ -355,6 +365,19 @@ def _report(cfg: DemoConfig, results: dict, say) -> None:
             f.write("\n")
 
 
+def _elastic_report(state, started: int) -> tuple[dict, list[str]]:
+    """What elastic mode did (the results file's entry, the lines to print), as the lowest
+    rank that saw every recovery knows it: a replacement saw only the later ones. Collective."""
+    import hpcddp
+    mine = None
+    if state.reporting:
+        mine = ({"lost_ranks": sorted(r for rec in state.recoveries for r in rec.lost),
+                 "recoveries": [{k: v for k, v in rec.__dict__.items() if k != "cause"}
+                                for rec in state.recoveries]},
+                _elastic_lines(state, started))
+    return next(g for g in hpcddp.world().mpi.allgather(mine) if g is not None)
+
+
 def _elastic_lines(state, started: int) -> list[str]:
     """What elastic mode did: the ranks lost, where, and how long recovery took."""
     if not state.recoveries:
@@ -369,7 +392,29 @@ def _elastic_lines(state, started: int) -> list[str]:
                    f"{', '.join(map(str, rec.lost))}, training went on from step {rec.step} "
                    f"(epoch {rec.epoch + 1}) on {rec.world_size} rank(s): recovery "
                    f"{rec.seconds:.3f} s{first}{kill}")
+        for r, host in rec.replaced:
+            kill = "" if rec.kill_to_full_size_s is None else \
+                f", kill -> full size {rec.kill_to_full_size_s:.2f} s"
+            out.append(f"[elastic] rank {r} replaced by a new process on {host or 'a free slot'}: "
+                       f"failure seen -> full size {rec.detect_to_full_size_s:.2f} s{kill}")
+        if rec.no_slot:
+            out.append(f"[elastic] no free slot for a replacement: went on with "
+                       f"{rec.world_size} rank(s)")
     out.append(f"[elastic] finished on {state.size} of {started} ranks")
+    return out
+
+
+def _staged_for_replacement(cfg, topo, packed: dict) -> dict:
+    """A replacement rank's data: this node's staged copy where the job staged one here,
+    else the packed data on the shared filesystem (staging is over the whole job and ran
+    before this process existed)."""
+    from hpcddp import data as hdata
+    from hpcddp.data.manifest import READY
+    out = {}
+    for split, src in packed.items():
+        dest = hdata.resolve_dest(os.path.join(cfg.stage_dest_resolved, split), topo.node,
+                                  topo.hostname)
+        out[split] = dest if os.path.exists(os.path.join(dest, READY)) else src
     return out
 
 

@@ -336,7 +336,7 @@ class State:
             rec.kill_to_step_s = None if t_kill is None else rec.first_step_at - t_kill
             rec.detect_to_step_s = rec.first_step_at - rec.detected_at
             self._first_step_after = None
-            if self.verbose and self._reports():
+            if self.verbose and self.reporting:
                 from hpcddp.comm import output as _log
                 extra = "" if rec.kill_to_step_s is None else \
                     f"; kill -> first completed step {rec.kill_to_step_s:.3f} s"
@@ -445,6 +445,8 @@ class State:
                        position=self.pos, steps_redealt=redealt, source_rank=src,
                        seconds=seconds, phases=phases, detected_at=detected,
                        cause=repr(cause)[:200], replaced=replaced, no_slot=no_slot,
+                       detect_to_full_size_s=(time.time() - detected if full and replaced
+                                              else None),
                        kill_to_full_size_s=(time.time() - t_kill if full and replaced
                                             and t_kill is not None else None),
                        first_step_at=None, kill_to_step_s=None, detect_to_step_s=None)
@@ -453,7 +455,7 @@ class State:
         _exit_without_finalize()
         self._failed, self._failed_at, self._stepped = None, None, False
         self._first_step_after = rec
-        if self.verbose and self._reports():
+        if self.verbose and self.reporting:
             _log.log(f"elastic: lost rank{'s' if len(lost) != 1 else ''} "
                      f"{_ranks_on_nodes(lost, self._hosts)} (start-up numbering) before step "
                      f"{self.global_step} (epoch {self.epoch + 1}, {self.pos} of "
@@ -468,17 +470,20 @@ class State:
                 _log.log(f"elastic: {NO_SLOT_LINE} for rank{'s' if len(lost) != 1 else ''} "
                          f"{', '.join(map(str, lost))} ({no_slot[:160]}): the job goes on with "
                          f"{self.size} of {len(self._job_ranks)} ranks")
-            if rec.kill_to_full_size_s is not None:
-                _log.log(f"elastic: back to full size ({self.size} ranks); kill -> full size "
-                         f"{rec.kill_to_full_size_s:.2f} s")
+            if rec.detect_to_full_size_s is not None:
+                kill = "" if rec.kill_to_full_size_s is None else \
+                    f", kill -> full size {rec.kill_to_full_size_s:.2f} s"
+                _log.log(f"elastic: back to full size ({self.size} ranks): failure seen -> full "
+                         f"size {rec.detect_to_full_size_s:.2f} s{kill}")
         return rec
 
-    def _reports(self) -> bool:
-        """Whether this rank prints the recovery's lines: the lowest survivor (a replacement
-        may be rank 0 now, and knows nothing of the recovery)."""
-        rec = self.recoveries[-1] if self.recoveries else None
-        new = {r for r, _ in rec.replaced} if rec is not None else set()
-        return self.original_rank == min(set(self.world.world_ranks) - new, default=-1)
+    @property
+    def reporting(self) -> bool:
+        """Whether this rank is the one to report what elastic mode did: the lowest rank that
+        saw every recovery (a replacement, even at rank 0, saw only the later ones)."""
+        new = {r for rec in self.recoveries for r, _ in rec.replaced}
+        return not self.replacement and self.original_rank == min(
+            set(self.world.world_ranks) - new, default=-1)
 
     def _grow(self, shrunk, src: int):
         """Spawn a replacement for every start-up rank the world lacks and merge them in
