@@ -1,6 +1,7 @@
 """Elastic mode in a Slurm batch job, on the one-machine Slurm of tests/test_jobs_slurm.py.
 
-The job is the multi-node-ddp template rendered with elastic=True on 2 nodes x 2 ranks: it
+The job is the multi-node-ddp template rendered with elastic=True on 2 nodes x 2 ranks (and
+with spares=1: 3 ranks, a lost one replaced in the free slot or on its node): it
 runs ``mpirun --with-ft ulfm`` inside its allocation (prterun starts its daemons through
 Slurm), and rank 1 SIGKILLs itself in a gradient all-reduce: the job must end COMPLETED with
 exit 0, the three survivors holding the same parameters. Direct ``srun`` launch
@@ -25,10 +26,10 @@ SCRIPT = ROOT / "tests" / "scripts" / "elastic_train.py"
 pytestmark = pytest.mark.timeout(600)
 
 
-def batch(out: pathlib.Path) -> str:
+def batch(out: pathlib.Path, **options) -> str:
     """The multi-node-ddp template with elastic=True (what `hpcddp submit multi-node-ddp
     --elastic` writes): 2 nodes x 2 ranks of the local cluster."""
-    return render("multi-node-ddp", elastic=True, job_name="hpcddp-elastic", nodes=2,
+    return render("multi-node-ddp", elastic=True, job_name="hpcddp-elastic", nodes=2, **options,
                   tasks_per_node=2, gpus=0, cpus_per_task=1, time="5",
                   output=f"{out}/elastic-%j.out", script=str(SCRIPT), args=[str(out)],
                   setup=[f". {shlex.quote(sys.prefix)}/bin/activate",
@@ -51,3 +52,21 @@ def test_elastic_job_under_slurm(slurm, tmp_path):
     finals = [json.loads((tmp_path / f"final.{r}.json").read_text()) for r in (0, 2, 3)]
     assert not (tmp_path / "final.1.json").exists()
     assert all(f["params"] == finals[0]["params"] and f["size"] == 3 for f in finals)
+
+
+@needs_ulfm
+def test_elastic_job_grows_back_under_slurm(slurm, tmp_path):
+    """The same template with spares=1 (`hpcddp submit multi-node-ddp --elastic --spares 1`):
+    3 ranks in 4 task slots; rank 1 is replaced by a spawned process and the job ends
+    COMPLETED at 3 ranks, all three holding the same parameters."""
+    script = tmp_path / "regrow.sbatch"
+    script.write_text(batch(tmp_path, spares=1))
+    res = sh(["sbatch", "--parsable", str(script)], 60, cwd=tmp_path)
+    assert res.returncode == 0, f"sbatch failed: {res.stderr}"
+    job = Job(res.stdout.strip().split(";")[0], tmp_path, "elastic-*.out")
+    recs = job.wait(timeout=400)
+    assert_completed(job, recs)
+    log = job.logs()
+    assert "[rank1] elastic: replacement for rank 1 started on" in log, log[-3000:]
+    finals = [json.loads((tmp_path / f"final.{r}.json").read_text()) for r in (0, 1, 2)]
+    assert all(f["params"] == finals[0]["params"] and f["size"] == 3 for f in finals), log[-3000:]

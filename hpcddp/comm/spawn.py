@@ -42,28 +42,40 @@ def spawn_replacements(comm, lost: list[int], hosts: dict, my_rank: int, message
     (world communicator, its start-up ranks in rank order, placements: one host or None per
     lost rank). Raises MPI.Exception when the launcher cannot start them (no free slot).
     """
-    command = job_command()
     alive = {hosts.get(r) for r in comm.allgather(my_rank)}
-    placed, infos = [], []
-    for r in lost:
-        info = MPI.Info.Create()
-        info.Set("wdir", os.getcwd())
-        host = hosts.get(r) if hosts.get(r) in alive else None
-        if host is not None:         # the lost rank's node is up: its slot is free again
-            info.Set("host", host)
-        placed.append(host)
-        infos.append(info)
-    n = len(lost)
+    # the lost rank's node while a survivor runs there (its data, its network), if it has room
+    placed = [hosts.get(r) if hosts.get(r) in alive else None for r in lost]
     try:
-        inter = comm.Spawn_multiple([command[0]] * n, [command[1:]] * n, [1] * n, infos, root=0)
-    finally:
-        for info in infos:
-            info.Free()
+        inter = _spawn(comm, placed)
+    except MPI.Exception:
+        if not any(placed):
+            raise
+        placed = [None] * len(lost)         # Open MPI keeps a lost rank's slot taken
+        inter = _spawn(comm, placed)
     merged = inter.Merge(high=False)
     message = merged.bcast(dict(message, lost=list(lost)) if merged.Get_rank() == 0 else None,
                            root=0)
     world, ranks = _by_start_up_rank(merged, my_rank)
     return world, ranks, placed
+
+
+def _spawn(comm, hosts: list):
+    """MPI_Comm_spawn_multiple of the job's command, one process per entry of HOSTS (a host
+    name, or None: wherever the launcher has a free slot)."""
+    command = job_command()
+    infos = []
+    for host in hosts:
+        info = MPI.Info.Create()
+        info.Set("wdir", os.getcwd())
+        if host is not None:
+            info.Set("host", host)
+        infos.append(info)
+    n = len(hosts)
+    try:
+        return comm.Spawn_multiple([command[0]] * n, [command[1:]] * n, [1] * n, infos, root=0)
+    finally:
+        for info in infos:
+            info.Free()
 
 
 def join_as_replacement(parent):

@@ -65,6 +65,9 @@ OPTIONS: dict[str, Option] = {
     "elastic": Option("bool", "survive a lost rank (hpcddp.elastic, ULFM): the training step "
                               "runs under `mpirun --with-ft ulfm` in the allocation, since "
                               "Slurm ends an srun step when one of its tasks dies", False),
+    "spares": Option("int0", "with elastic: task slots of the allocation left free for "
+                             "replacement ranks; > 0 runs SLURM_NTASKS - spares ranks and "
+                             "replaces each lost one (HPCDDP_ELASTIC_REGROW=1)", 0),
     "stage_src": Option("shellpath", "data set on the shared filesystem to stage "
                                      "(shell variables allowed)", "$SLURM_SUBMIT_DIR/data"),
     "stage_dest": Option("shellpath", "where the staged copy goes on each node "
@@ -78,7 +81,7 @@ OPTIONS: dict[str, Option] = {
 
 COMMON = ("job_name", "nodes", "tasks_per_node", "gpus", "cpus_per_task", "time", "partition",
           "account", "output", "script", "args", "setup", "mpi", "signal_lead", "max_requeues",
-          "elastic")
+          "elastic", "spares")
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,12 @@ def _check(template: str, options: Mapping[str, Any]) -> dict:
         raise _fail(template, "script must not be empty: the Python script each rank runs")
     if t.name == "array-sweep":
         _parse_sweep(template, values["sweep"])
+    if values["spares"] and not values["elastic"]:
+        raise _fail(template, f"spares={values['spares']} needs elastic=true (spare slots take "
+                              f"the replacements of lost ranks)")
+    if values["spares"] >= values["nodes"] * values["tasks_per_node"]:
+        raise _fail(template, f"spares must be fewer than the job's {values['nodes']} x "
+                              f"{values['tasks_per_node']} tasks, got {values['spares']}")
     if values["mpi"] not in ("pmix", "pmi2", "none") and not values["mpi"].startswith("pmix_"):
         raise _fail(template, f"mpi must be pmix, pmi2 or none (see `srun --mpi=list`), "
                               f"got {values['mpi']!r}")
@@ -427,10 +436,18 @@ _TRAIN_ELASTIC = """\
 # the node list from Slurm, starts its daemons through it, and with --with-ft ulfm lets the
 # survivors go on (MPICH: mpiexec -disable-auto-cleanup). `hpcddp launch`: mpirun ends, and
 # says so, also when a node drops off the network (docs/hangs.md).
-echo "[job] $(date +%T) training (elastic): $SCRIPT ${ARGS[*]}"
-run_step hpcddp launch -- mpirun --with-ft ulfm -n "$SLURM_NTASKS" --map-by "ppr:${SLURM_NTASKS_PER_NODE}:node" \\
-    python "$SCRIPT" "${ARGS[@]}"
+@SPARES@echo "[job] $(date +%T) training (elastic): $SCRIPT ${ARGS[*]}"
+run_step hpcddp launch -- mpirun --with-ft ulfm -n "$((SLURM_NTASKS - SPARES))" \\
+    --map-by "ppr:${SLURM_NTASKS_PER_NODE}:node" python "$SCRIPT" "${ARGS[@]}"
 echo "[job] $(date +%T) done"
+"""
+
+_SPARES = """\
+# Grow back (docs/elastic.md, "Growing back"): the last SPARES task slots of the allocation stay
+# free, and each lost rank is replaced (MPI_Comm_spawn) on its own node while that node is up
+# and has room, else on a free slot; without one the job goes on smaller, saying so.
+SPARES=@N@
+export HPCDDP_ELASTIC_REGROW=1
 """
 
 _CPU_NOTE = """\
@@ -491,6 +508,7 @@ def render(template: str, **options) -> str:
         "@CKPTDIR@": ("$SLURM_SUBMIT_DIR/checkpoints/${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"
                       if array else "$SLURM_SUBMIT_DIR/checkpoints/$SLURM_JOB_ID"),
         "@COPYDIR@": _COPY_DIR,
+        "@SPARES@": _SPARES.replace("@N@", str(v["spares"])) if v["spares"] else "SPARES=0\n",
     }
     text = _HEADER
     body = ""
