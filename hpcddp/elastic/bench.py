@@ -9,6 +9,12 @@ alternate (plain, elastic, plain, ...) so that a machine's slow phases hit both.
 prints steps/s per round and the median ratio. Both run under ULFM: what is measured is
 the cost of the elastic loop (State, ElasticBatchSampler, step commits, the epoch-end
 agreement), not of ULFM's failure detector, which runs for the whole job either way.
+
+With ``--regrow-kill RANK@STEP`` it runs one elastic job instead, with grow-back on: RANK
+SIGKILLs itself at STEP, a replacement is spawned, and the lowest rank that saw it all prints
+steps/s before the loss and after the job is back at full size (same job, same model)::
+
+    mpirun --with-ft ulfm --oversubscribe -n 4 python -m hpcddp.elastic.bench --regrow-kill 2@100
 """
 from __future__ import annotations
 
@@ -68,13 +74,63 @@ def _loop_overhead(w, rounds: int) -> None:
               f"us)", flush=True)
 
 
+def _regrow_run(args) -> int:
+    """One elastic job that loses a rank and grows back: steps/s before and after."""
+    import torch
+    import torch.nn.functional as F
+
+    import hpcddp
+    from hpcddp import elastic
+    torch.set_num_threads(1)
+    hpcddp.init()
+    hpcddp.init_process_group()      # nothing collective before State: a replacement joins there
+    width, warm = 256, 10
+    ds = _data(args.steps * args.batch, width)
+    model = _model(width)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sampler = elastic.ElasticBatchSampler(len(ds), args.batch)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler)
+    rank, step = (int(v) for v in args.regrow_kill.split("@"))
+    state = elastic.State(model, opt, sampler, regrow=True,
+                          fault_injection=f"{rank}@{step}:backward")
+    done = {}                        # global step -> the time it completed
+    for _ in state.epochs(1):
+        for x, y in state.batches(loader):
+            with state.step():
+                loss = F.cross_entropy(state.model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            done[state.global_step] = time.perf_counter()
+    if state.reporting:
+        rec = state.recoveries[0]
+
+        def rate(a, b):            # steps/s from step a's end to step b's
+            return (b - a) / (done[b] - done[a])
+        before = rate(warm, step - 1)
+        after = rate(rec.step + warm, state.global_step)
+        print(f"[rank{state.original_rank}] {state.size} ranks, {args.batch} samples per step: "
+              f"before the loss {before:.1f} steps/s (steps {warm}-{step - 1}), after growing "
+              f"back {after:.1f} steps/s (steps {rec.step + warm}-{state.global_step}): "
+              f"after/before {after / before:.3f}; failure seen -> full size "
+              f"{rec.detect_to_full_size_s:.2f} s", flush=True)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hpcddp.elastic.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200, help="steps per round (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of each (default: %(default)s)")
     p.add_argument("--batch", type=int, default=64, help="global batch (default: %(default)s)")
+    p.add_argument("--regrow-kill", metavar="RANK@STEP", default=None,
+                   help="instead: one job with grow-back, RANK killed at STEP (< --steps); "
+                        "steps/s before the loss and after the job is whole again")
     args = p.parse_args(argv)
+    if args.regrow_kill:
+        return _regrow_run(args)
     import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
