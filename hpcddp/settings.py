@@ -250,6 +250,9 @@ VARS: tuple[Var, ...] = (
     Var("HPCDDP_ELASTIC_KILL", _text, "", "RANK@STEP[:PHASE],...",
         "fault injection for demos and tests: SIGKILL that rank at that step and phase",
         "elastic.md"),
+    Var("HPCDDP_ELASTIC_KILL_LOG", _text, "", "path",
+        "where injected kills note their time (hpcddp sets it in replacement ranks: the "
+        "survivors' file, for the kill -> full size figure)", "elastic.md"),
     # the command line (docs/benchmarks.md)
     Var("HPCDDP_BENCH_PROGRESS", _flag, True, "1, 0",
         "hpcddp bench comm prints a line after each op and size", "benchmarks.md"),

@@ -109,6 +109,22 @@ def test_survivors_status_and_a_missing_survivor():
     assert res.returncode == 5 and "every survivor" not in res.stderr
 
 
+def test_grown_back_job_gets_the_status_of_its_ranks():
+    """Open MPI's mpirun runs a replacement rank as a job of its own, without fault tolerance:
+    it exits 213 after a spawn that found no slot, 137 after a replacement was lost. Where
+    every rank of the elastic job left with 0, that is the job's status, said in a line."""
+    for code, line in ((137, "elastic: replacement for rank 1 started on vm and joined"),
+                       (213, "elastic: no free slot for a replacement for rank 1")):
+        res, _ = launch(f"echo '[rank1] {line}'; echo 'elastic: rank 0 of 2 leaves the job, "
+                        f"exit 0'; echo 'elastic: rank 1 of 2 leaves the job, exit 0'; "
+                        f"exit {code}", timeout=90)
+        assert res.returncode == 0, (code, res.stderr)
+        assert f"the launcher exited {code} for a replacement rank" in res.stderr
+    # no replacement in the job: mpirun's status stands
+    res, _ = launch("echo 'elastic: rank 0 of 1 leaves the job, exit 0'; exit 137", timeout=90)
+    assert res.returncode == 137, res.stderr
+
+
 def test_ulfm_launches_get_no_keepalives():
     """PRRTE 3.0 ends the whole job when a keepalive finds a daemon lost, recovery or not: under
     --with-ft ulfm hpcddp switches them off (ULFM's detector finds the node instead)."""

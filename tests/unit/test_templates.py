@@ -349,7 +349,8 @@ def test_elastic_option_trains_under_mpirun_with_ulfm(name, tmp_path):
     plain, elastic = render(name), render(name, elastic=True)
     assert "--with-ft ulfm" not in plain and "hpcddp run" in plain
     train = elastic[elastic.index("# Train, surviving a lost rank"):]
-    assert 'run_step hpcddp launch -- mpirun --with-ft ulfm -n "$SLURM_NTASKS"' in train
+    assert 'run_step hpcddp launch -- mpirun --with-ft ulfm -n "$((SLURM_NTASKS - SPARES))"' in train
+    assert "SPARES=0\n" in train and "HPCDDP_ELASTIC_REGROW" not in train
     assert "srun" not in train.split("# survivors go on")[-1]     # the step itself: no srun
     assert render(name, elastic="yes") == elastic and render(name, elastic=0) == plain
     script = tmp_path / "job.sbatch"
@@ -358,6 +359,22 @@ def test_elastic_option_trains_under_mpirun_with_ulfm(name, tmp_path):
     assert res.returncode == 0, res.stderr
     with pytest.raises(TemplateError, match="elastic must be true or false, got 'maybe'"):
         render(name, elastic="maybe")
+
+
+def test_spares_leave_slots_for_replacements(tmp_path):
+    """spares=N (elastic grow-back): N task slots stay free, lost ranks are replaced."""
+    text = render("multi-node-ddp", elastic=True, spares=1, nodes=2, tasks_per_node=2)
+    train = text[text.index("# Train, surviving a lost rank"):]
+    assert "SPARES=1\nexport HPCDDP_ELASTIC_REGROW=1\n" in train
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    with pytest.raises(TemplateError, match="spares=1 needs elastic=true"):
+        render("multi-node-ddp", spares=1)
+    with pytest.raises(TemplateError, match="spares must be fewer than the job's 1 x 2 tasks, "
+                                            "got 2"):
+        render("single-node-ddp", elastic=True, spares=2, tasks_per_node=2)
 
 
 def test_submit_elastic_flag(tmp_path, hpcddp):
