@@ -230,6 +230,28 @@ def test_elastic_job_survives_a_node_off_the_network(healed, tmp_path):
     assert not elastic_gone(["node3"]), out[-3000:]
 
 
+def test_elastic_job_grows_back_onto_a_spare_node(healed, tmp_path):
+    """3 ranks on node1-3, node4 a spare slot (`--host node1:1,...,node4:1 -n 3`), grow-back
+    on: node3 loses its link, ranks 0 and 1 (a majority) recover, and rank 2's replacement
+    starts on node4; the job ends at 3 ranks, status 0, parameters equal, nothing left."""
+    cmd = launch_on_nodes(4, ulfm=True, grace=10)
+    cmd[cmd.index("-n") + 1] = "3"
+    cmd += ["-x", "HPCDDP_ELASTIC_REGROW=1", sys.executable, str(ELASTIC_JOB), str(tmp_path), "30"]
+    proc, out = start_then_fault(cmd, _vc_env(NAME, SUBNET), ["cut", "node3"])
+    rest, _ = proc.communicate(timeout=400)
+    out = "".join(out) + rest
+    assert proc.returncode == 0, out[-6000:]
+    assert "lost rank 2 on node3" in out, out[-6000:]
+    assert "[rank2] elastic: replacement for rank 2 started on node4" in out, out[-6000:]
+    final = survivors(tmp_path)
+    assert [(f["rank"], f["host"], f["size"]) for f in final] == [
+        (0, "node1", 3), (1, "node2", 3), (2, "node4", 3)], out[-6000:]
+    assert len({f["params"] for f in final}) == 1 and len({f["global_step"] for f in final}) == 1
+    for node in ("node1", "node2", "node4"):
+        assert not node_processes(NAME, node, (ELASTIC_JOB.name, "prte")), node
+    assert not elastic_gone(["node3"]), out[-3000:]
+
+
 def test_elastic_partition_half_with_rank0_goes_on(healed, tmp_path):
     """Nodes 1-2 against 3-4: each half sees the other failed. The half holding start-up rank 0
     trains on at 2 and ends with status 0; the other half stops (never two worlds training:

@@ -372,6 +372,7 @@ class State:
         detected = self._failed_at or time.time()
         t0 = time.perf_counter()
         old_ranks = set(self.world.world_ranks)
+        hosts_before = dict(self._hosts)      # a replacement may take a lost rank elsewhere
         lost: set = set()
         replaced, spawn_tries, no_slot = [], 0, None
         comm = self.world.mpi
@@ -457,7 +458,7 @@ class State:
         self._first_step_after = rec
         if self.verbose and self.reporting:
             _log.log(f"elastic: lost rank{'s' if len(lost) != 1 else ''} "
-                     f"{_ranks_on_nodes(lost, self._hosts)} (start-up numbering) before step "
+                     f"{_ranks_on_nodes(lost, hosts_before)} (start-up numbering) before step "
                      f"{self.global_step} (epoch {self.epoch + 1}, {self.pos} of "
                      f"{self.sampler.epoch_samples} samples done); recovered in {seconds:.3f} s "
                      f"on {self.size} rank(s): state from rank {src}, the epoch's last "
