@@ -38,16 +38,21 @@ def batch(out: pathlib.Path, **options) -> str:
                          "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"])
 
 
-@needs_ulfm
-def test_elastic_job_under_slurm(slurm, tmp_path):
+def run_batch(tmp_path, text: str) -> str:
+    """Submit TEXT, wait for it to end COMPLETED, return its log."""
     script = tmp_path / "elastic.sbatch"
-    script.write_text(batch(tmp_path))
+    script.write_text(text)
     res = sh(["sbatch", "--parsable", str(script)], 60, cwd=tmp_path)
     assert res.returncode == 0, f"sbatch failed: {res.stderr}"
     job = Job(res.stdout.strip().split(";")[0], tmp_path, "elastic-*.out")
     recs = job.wait(timeout=400)
     assert_completed(job, recs)
-    log = job.logs()
+    return job.logs()
+
+
+@needs_ulfm
+def test_elastic_job_under_slurm(slurm, tmp_path):
+    log = run_batch(tmp_path, batch(tmp_path))
     assert "[rank1] elastic: fault injection: SIGKILL" in log and "elastic: lost rank 1" in log
     finals = [json.loads((tmp_path / f"final.{r}.json").read_text()) for r in (0, 2, 3)]
     assert not (tmp_path / "final.1.json").exists()
@@ -59,14 +64,7 @@ def test_elastic_job_grows_back_under_slurm(slurm, tmp_path):
     """The same template with spares=1 (`hpcddp submit multi-node-ddp --elastic --spares 1`):
     3 ranks in 4 task slots; rank 1 is replaced by a spawned process and the job ends
     COMPLETED at 3 ranks, all three holding the same parameters."""
-    script = tmp_path / "regrow.sbatch"
-    script.write_text(batch(tmp_path, spares=1))
-    res = sh(["sbatch", "--parsable", str(script)], 60, cwd=tmp_path)
-    assert res.returncode == 0, f"sbatch failed: {res.stderr}"
-    job = Job(res.stdout.strip().split(";")[0], tmp_path, "elastic-*.out")
-    recs = job.wait(timeout=400)
-    assert_completed(job, recs)
-    log = job.logs()
+    log = run_batch(tmp_path, batch(tmp_path, spares=1))
     assert "[rank1] elastic: replacement for rank 1 started on" in log, log[-3000:]
     finals = [json.loads((tmp_path / f"final.{r}.json").read_text()) for r in (0, 1, 2)]
     assert all(f["params"] == finals[0]["params"] and f["size"] == 3 for f in finals), log[-3000:]

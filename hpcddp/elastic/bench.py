@@ -74,10 +74,23 @@ def _loop_overhead(w, rounds: int) -> None:
               f"us)", flush=True)
 
 
+def _elastic_epoch(state, loader, opt, done: dict | None = None) -> None:
+    """One epoch of the elastic loop; DONE (if given) gets each committed step's end time."""
+    import torch.nn.functional as F
+    for _ in state.epochs(state.epoch + 1):
+        for x, y in state.batches(loader):
+            with state.step():
+                loss = F.cross_entropy(state.model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            if done is not None:
+                done[state.global_step] = time.perf_counter()
+
+
 def _regrow_run(args) -> int:
     """One elastic job that loses a rank and grows back: steps/s before and after."""
     import torch
-    import torch.nn.functional as F
 
     import hpcddp
     from hpcddp import elastic
@@ -94,14 +107,7 @@ def _regrow_run(args) -> int:
     state = elastic.State(model, opt, sampler, regrow=True,
                           fault_injection=f"{rank}@{step}:backward")
     done = {}                        # global step -> the time it completed
-    for _ in state.epochs(1):
-        for x, y in state.batches(loader):
-            with state.step():
-                loss = F.cross_entropy(state.model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            done[state.global_step] = time.perf_counter()
+    _elastic_epoch(state, loader, opt, done)
     if state.reporting:
         rec = state.recoveries[0]
 
@@ -169,13 +175,7 @@ def main(argv=None) -> int:
         state = elastic.State(model, opt, sampler, verbose=False)
         w.mpi.Barrier()
         t = time.perf_counter()
-        for _ in state.epochs(1):
-            for x, y in state.batches(loader):
-                with state.step():
-                    loss = F.cross_entropy(state.model(x), y)
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
+        _elastic_epoch(state, loader, opt)
         w.mpi.Barrier()
         return sampler.steps_per_epoch / (time.perf_counter() - t)
 
