@@ -17,6 +17,8 @@ its keepalives find the node lost instead, it ends the job but exits 0. Here:
   found lost would end the survivors' job too;
 - an elastic job's launcher still running 10 s after every survivor left (it waits for a node
   that dropped off the network) is ended, with the survivors' status (docs/elastic.md);
+- an elastic job that grew back (a replacement rank joined, or none could start) gets its
+  ranks' status: Open MPI's mpirun exits 213 or 137 for a replacement's own job;
 - a launcher still running --abort-grace seconds after an abort is ended (SIGTERM twice, then
   SIGKILL) and the status is the abort's error code;
 - a launcher that lost a node and exits 0 gets status 1, with a line naming the node;

@@ -24,13 +24,8 @@ import sys
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import set_world_numbering
 
-JOB_COMMAND = None    # tests may set [executable, args...]; default: this process's own
-
-
 def job_command() -> list[str]:
     """The command line this process was started with (interpreter options and -m kept)."""
-    if JOB_COMMAND is not None:
-        return list(JOB_COMMAND)
     return [sys.executable, *getattr(sys, "orig_argv", [sys.executable, *sys.argv])[1:]]
 
 
@@ -53,8 +48,8 @@ def spawn_replacements(comm, lost: list[int], hosts: dict, my_rank: int, message
         placed = [None] * len(lost)         # Open MPI keeps a lost rank's slot taken
         inter = _spawn(comm, placed)
     merged = inter.Merge(high=False)
-    message = merged.bcast(dict(message, lost=list(lost)) if merged.Get_rank() == 0 else None,
-                           root=0)
+    inter.Free()
+    merged.bcast(dict(message, lost=list(lost)) if merged.Get_rank() == 0 else None, root=0)
     world, ranks = _by_start_up_rank(merged, my_rank)
     return world, ranks, placed
 
