@@ -543,9 +543,12 @@ class State:
         rt.world = world
         launch = rt.launch
         key = launch.local_rank if launch is not None and launch.local_rank is not None else None
+        # once a replacement is in the world (now or in an earlier recovery), no rank orders by
+        # its launcher's local rank: a replacement has none, and every rank must order alike
+        spawned = grown or self.replacement or any(r.replaced for r in self.recoveries)
         if (rt.local_rank_source == "emulated" or key is None or emulated_ranks_per_node()
-                or grown or rt.joined is not None):
-            key = None       # a replacement has no launcher's local rank on this node
+                or spawned):
+            key = None
         rt.topology = build_topology(world, emulated_ranks_per_node(), key)
         lap("topology")
         _restart_watchdog(world, rt.topology.hostname)
