@@ -10,7 +10,9 @@ status and a line naming the node, the job's ranks gone everywhere (the cut-off 
 own watchdog finds them alone). The lost-daemon path of Open MPI (its keepalives find the node
 first, and it exits 0) is run with short keepalives: `hpcddp launch` turns it into status 1.
 
-In elastic mode (`mpirun --with-ft ulfm`, docs/elastic.md "A node that drops off the network")
+Under `mpirun --with-ft ulfm` outside elastic mode, a rank lost in start-up or killed from
+outside while the job trains ends the job, the survivors naming it (never waiting in
+MPI_Finalize). In elastic mode (`mpirun --with-ft ulfm`, docs/elastic.md "A node that drops off the network")
 a node cut off is survived by the side holding the majority, and never trains a second world.
 """
 from __future__ import annotations
@@ -75,8 +77,9 @@ def launch_on_nodes(nodes: int, *, ulfm: bool = False, grace: int = 15) -> list:
             "-x", "TORCH_CPP_LOG_LEVEL=ERROR"]
 
 
-def start_then_fault(cmd: list, env: dict, fault: list):
-    """Start CMD, inject FAULT once the job prints "looping" -> (process, output so far)."""
+def start_then_fault(cmd: list, env: dict, fault):
+    """Start CMD, inject FAULT (`vcluster.sh fault` arguments, or a function to call) once the
+    job prints "looping" -> (process, output so far)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=ROOT)
     out, start = [], time.monotonic()
@@ -89,8 +92,11 @@ def start_then_fault(cmd: list, env: dict, fault: list):
             pytest.fail("the job did not start looping within 120 s:\n" + "".join(out))
     else:
         pytest.fail(f"the job ended before the fault (status {proc.wait()}):\n" + "".join(out))
-    res = vc("fault", *fault)
-    assert res.returncode == 0, res.stderr
+    if callable(fault):
+        fault()
+    else:
+        res = vc("fault", *fault)
+        assert res.returncode == 0, res.stderr
     return proc, out
 
 
@@ -170,6 +176,59 @@ def test_packet_loss_ends_the_job_naming_the_link(healed):
     assert lossy or ("rank 2 (node3" in out and "dead or unresponsive" in out), out[-6000:]
     assert not [line for line in out.splitlines() if "dead or unresponsive" in line
                 and ("(node1" in line or "(node2" in line)], out[-6000:]
+
+
+# -- ULFM outside elastic mode: a lost rank ends the job ----------------------------------------
+# With --with-ft ulfm mpirun does not end a job whose rank died; each survivor's next call
+# fails. Across nodes MPI_Finalize then waited for the dead rank until the time limit (seen in
+# CI under Slurm: a rank crashed in MPI's start-up); hpcddp ends the survivors instead.
+PLAIN_JOB = ROOT / "tests" / "vcluster" / "job_plain_ulfm.py"
+ULFM_LIMIT = 30       # s from the loss to the job's end: no timeout is involved, only the exit
+
+
+def plain_ulfm_job(nodes: int, env: dict | None = None):
+    cmd = launch_on_nodes(nodes, ulfm=True) + ["-x", "DIE_AT_START", sys.executable,
+                                               str(PLAIN_JOB)]
+    full_env = _vc_env(NAME, SUBNET)
+    full_env.update({"DIE_AT_START": ""}, **(env or {}))
+    return cmd, full_env
+
+
+def test_rank_lost_in_start_up_ends_a_fault_tolerant_job(cluster):
+    cmd, env = plain_ulfm_job(3, {"DIE_AT_START": "2"})
+    start = time.monotonic()
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    took, out = time.monotonic() - start, res.stdout + res.stderr
+    print(f"rank 2 lost in start-up: the job ended after {took:.1f} s, status {res.returncode}")
+    assert res.returncode != 0, out[-4000:]
+    assert took < ULFM_LIMIT, f"the job took {took:.0f} s:\n{out[-4000:]}"
+    assert "hpcddp.init: rank 2 of the job died during start-up" in out, out[-4000:]
+    assert "hpcddp: rank 2 of the job lost: this rank exits (exit 1)" in out, out[-4000:]
+    for node in ("node1", "node2", "node3"):
+        assert not node_processes(NAME, node, (PLAIN_JOB.name, "prte")), node
+
+
+def test_rank_killed_from_outside_ends_a_fault_tolerant_job(cluster):
+    """SIGKILL from another process (as the OOM killer does) to rank 2 on node3 while the job
+    trains: the survivors end naming it, status non-zero, nothing left."""
+    cmd, env = plain_ulfm_job(3)
+
+    def kill_rank_on_node3():
+        ranks = [p for p in node_processes(NAME, "node3", (PLAIN_JOB.name,))
+                 if "python" in p and "prted" not in p]
+        assert ranks, "no rank found on node3"
+        for p in ranks:
+            os.kill(int(p.split(":")[0]), 9)
+    proc, out = start_then_fault(cmd, env, kill_rank_on_node3)
+    killed = time.monotonic()
+    rest, _ = proc.communicate(timeout=300)
+    took, out = time.monotonic() - killed, "".join(out) + rest
+    print(f"rank 2 killed from outside: the job ended {took:.1f} s later, status {proc.returncode}")
+    assert proc.returncode != 0, out[-4000:]
+    assert took < ULFM_LIMIT, f"the job ended {took:.0f} s after the kill:\n{out[-4000:]}"
+    assert "hpcddp: rank 2 of the job lost" in out, out[-4000:]
+    for node in ("node1", "node2", "node3"):
+        assert not node_processes(NAME, node, (PLAIN_JOB.name, "prte")), node
 
 
 # -- elastic mode: the job survives, one side goes on ---------------------------------------

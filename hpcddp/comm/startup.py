@@ -21,6 +21,7 @@ from hpcddp import settings
 from hpcddp.comm import output as _log
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import Communicator
+from hpcddp.comm.failures import end_process, failed_world_ranks, lost_rank_named, ranks_text
 from hpcddp.comm.topology import Topology, build_topology, emulated_ranks_per_node
 from hpcddp.launch import process
 from hpcddp.launch.torchrun_env import export_after_start
@@ -103,8 +104,9 @@ def _start(thread_level: str) -> Runtime:
     if not MPI.Is_initialized():  # someone set mpi4py.rc.initialize = False: start it now
         MPI.Init_thread(THREAD_LEVELS[thread_level])
         we_init = True
-    if we_init:
-        atexit.register(_finalize_at_exit)
+    # also where the user's script started MPI first (mpi4py then finalizes it at exit, after
+    # this): a rank that outlived a lost one must not reach MPI_Finalize
+    atexit.register(_finalize_at_exit, we_init)
     process.own()     # hpcddp's hooks act in this process only, never in its forked children
     granted = _LEVEL_NAMES.get(MPI.Query_thread(), str(MPI.Query_thread()))
     parent = MPI.Comm.Get_parent()
@@ -122,8 +124,10 @@ def _start(thread_level: str) -> Runtime:
         # did not connect to its launcher; returns a warning for a stray WORLD_SIZE or RANK
         stray_warning = check_world(launch, MPI.COMM_WORLD.Get_rank(),
                                     MPI.COMM_WORLD.Get_size(), sys.argv)
-        world = Communicator(MPI.COMM_WORLD.Dup(), "WORLD",
-                             list(range(MPI.COMM_WORLD.Get_size())))
+        _log.set_rank(MPI.COMM_WORLD.Get_rank())
+        with lost_rank_named("hpcddp.init", MPI.COMM_WORLD):
+            world = Communicator(MPI.COMM_WORLD.Dup(), "WORLD",
+                                 list(range(MPI.COMM_WORLD.Get_size())))
         launch_key = launch.local_rank if launch is not None else None
     _log.set_rank(world.world_ranks[world.rank])
     notes = []
@@ -133,7 +137,8 @@ def _start(thread_level: str) -> Runtime:
         notes.append(f"MPI granted thread level {granted!r}, asked for {thread_level!r}: "
                      f"DDP's autograd-thread collectives are serialised by hpcddp")
     rpn = emulated_ranks_per_node()
-    topo = build_topology(world, rpn, launch_key)
+    with lost_rank_named("hpcddp.init", world.mpi):
+        topo = build_topology(world, rpn, launch_key)
     # torchrun's variables (RANK, LOCAL_RANK, GROUP_RANK...) with what only MPI knows
     export_after_start(launch, world.rank, world.size, topo.local_rank, topo.local_size,
                        topo.node, topo.num_nodes)
@@ -200,19 +205,47 @@ def finalize() -> None:
         rt, _runtime = _runtime, None
     if rt is None:
         return
+    if _lost_ranks(rt.world.mpi):
+        return       # MPI_Finalize would wait for them: the exit ends this rank without it
     _drain_async_engine()
     _run_hooks(hpcddp.ON_MPI_FINALIZE)
     if rt.we_initialized and MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
 
 
-def _finalize_at_exit() -> None:
+def _finalize_at_exit(finalize_mpi: bool = True) -> None:
     if not process.in_rank_process():     # a forked child exiting: MPI is its parent's
         return
     if MPI.Is_initialized() and not MPI.Is_finalized():
+        _end_without_finalize_if_ranks_lost()
+        if not finalize_mpi:
+            return
         _drain_async_engine()
         _run_hooks(hpcddp.ON_MPI_FINALIZE)
         MPI.Finalize()
+
+
+def _lost_ranks(comm) -> list[int]:
+    """Ranks of COMM that MPI reported lost (only where ULFM is on: elsewhere a lost rank
+    ends the whole job)."""
+    from hpcddp.launch.env import fault_tolerant_job
+    return failed_world_ranks(comm) if fault_tolerant_job() else []
+
+
+def _end_without_finalize_if_ranks_lost() -> None:
+    """Under ULFM, MPI_Finalize after a lost rank waits for it (across nodes: until the job's
+    time limit, seen): end this rank with a line naming the lost one(s) instead, exit 1
+    after an uncaught exception, else 0. hpcddp.elastic installs its own exit once it
+    recovered; this one serves start-up, jobs outside elastic mode and scripts that never
+    reached elastic.State."""
+    rt = _runtime
+    lost = _lost_ranks(rt.world.mpi if rt is not None else MPI.COMM_WORLD)
+    if not lost:
+        return
+    code = 1 if getattr(sys, "last_value", None) is not None else 0
+    end_process(f"hpcddp: {ranks_text(lost)} of the job lost: this rank exits (exit {code}) "
+                f"without MPI_Finalize, which would wait for "
+                f"{'them' if len(lost) > 1 else 'it'}", code)
 
 
 def _drain_async_engine() -> None:

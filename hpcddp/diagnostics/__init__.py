@@ -119,6 +119,12 @@ def stop_without_barrier() -> None:
         # its communicator has dead members: dropped, not freed (freeing may synchronise)
 
 
+def _ranks_lost(comm) -> bool:
+    from hpcddp.comm.failures import failed_world_ranks
+    from hpcddp.launch.env import fault_tolerant_job
+    return fault_tolerant_job() and bool(failed_world_ranks(comm))
+
+
 def shutdown_diagnostics() -> None:
     """Wait for every rank to get here, then stop the watchdog and free its communicators.
 
@@ -131,6 +137,11 @@ def shutdown_diagnostics() -> None:
     from hpcddp.diagnostics import mismatch, recorder
     from hpcddp.launch import process
     if not process.in_rank_process():     # a forked child exiting: the watchdog is the rank's
+        return
+    with _lock:
+        wd = _watchdog
+    if wd is not None and _ranks_lost(wd.world.mpi):
+        stop_without_barrier()      # the barrier would fail (ULFM) or wait for the dead
         return
     with _lock:
         wd, _watchdog = _watchdog, None

@@ -36,45 +36,24 @@ from hpcddp.elastic._support import check_support
 from hpcddp.launch.mpirun import (MINORITY_STOPS_LINE, NO_SLOT_LINE, RECOVERY_STUCK_LINE,
                                   REPLACEMENT_LINE, SURVIVOR_LEFT_LINE)
 
-FAILURE_MARKERS = ("MPI_ERR_PROC_FAILED", "MPI_ERR_REVOKED", "PROC_FAILED", "REVOKED")
-
 
 def _mpi():
     from hpcddp.comm._mpi import MPI
     return MPI
 
 
+# hpcddp.comm.failures, imported when called: importing hpcddp.comm starts MPI, and
+# importing hpcddp.elastic must not (a DataLoader worker, `hpcddp --help`)
 def is_process_failure(exc: BaseException, comm=None) -> bool:
     """Whether EXC comes from a lost process (ULFM error classes), looking through torch's
-    wrappers (DDP re-raises the Work's error as a RuntimeError holding its text)."""
-    MPI = _mpi()
-    classes = {MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED,
-               getattr(MPI, "ERR_PROC_FAILED_PENDING", MPI.ERR_PROC_FAILED)}
-    seen = set()
-    e = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, MPI.Exception):
-            try:
-                if e.Get_error_class() in classes:
-                    return True
-            except Exception:
-                pass
-        if any(m in str(e) for m in FAILURE_MARKERS):
-            return True
-        e = e.__cause__ or e.__context__
-    if comm is not None:
-        try:
-            if comm.Is_revoked():
-                return True
-            g = comm.Get_failed()
-            try:
-                return g.Get_size() > 0
-            finally:
-                g.Free()
-        except Exception:
-            return False
-    return False
+    wrappers; with COMM, also whether COMM is revoked or knows a failed process."""
+    from hpcddp.comm import failures
+    return failures.is_process_failure(exc, comm)
+
+
+def failed_world_ranks(comm) -> list[int]:
+    from hpcddp.comm import failures
+    return failures.failed_world_ranks(comm)
 
 
 def is_replacement() -> bool:
@@ -650,19 +629,13 @@ def _stuck_after(seconds: float, what: str):
 def _end_rank(line: str | None, code: int) -> None:
     """Print LINE (if any), stop the watchdog, and end this process with CODE, without
     MPI_Finalize (it would wait for ranks it cannot reach)."""
-    import os
-
-    from hpcddp.comm import output as _log
-    if line:
-        _log.log(line)
     try:
         from hpcddp import diagnostics
         diagnostics.stop_without_barrier()
     except Exception:
         pass
-    _flush_output()
-    time.sleep(0.2)              # the launcher forwards the line before the process goes
-    os._exit(code)
+    from hpcddp.comm.failures import end_process
+    end_process(line, code)
 
 
 def _flush_output() -> None:
@@ -782,22 +755,6 @@ def _leave_launcher_cleanly() -> None:
         return
 
 
-def failed_world_ranks(comm) -> list[int]:
-    """World ranks (start-up numbering) of COMM's processes known to have failed."""
-    MPI = _mpi()
-    try:
-        failed = comm.Get_failed()
-    except MPI.Exception:
-        return []
-    try:
-        if failed.Get_size() == 0:
-            return []
-        from hpcddp.comm.communicator import translate_group_to_world
-        return sorted(translate_group_to_world(failed))
-    finally:
-        failed.Free()
-
-
 _states: list = []       # the State whose world an uncaught exception is explained against
 
 
@@ -822,8 +779,8 @@ def _explain_losses_outside_steps(state) -> None:
                 if is_process_failure(exc, comm):
                     from hpcddp.comm import output as _log
                     lost = failed_world_ranks(comm)
-                    who = (f"rank{'s' if len(lost) != 1 else ''} "
-                           f"{', '.join(map(str, lost))}" if lost else "a rank")
+                    from hpcddp.comm.failures import ranks_text
+                    who = ranks_text(lost)
                     from hpcddp.diagnostics import abort
                     abort.end_whole_job()     # every survivor meets it: the job has failed
                     _log.log(f"elastic: {who} was lost outside state.step() (in "
