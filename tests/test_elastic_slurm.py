@@ -38,16 +38,30 @@ def batch(out: pathlib.Path, **options) -> str:
                          "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"])
 
 
+# hpcddp.init's line when a rank died before the job started (hpcddp.comm.failures): seen
+# twice in CI here, a rank crashing inside Open MPI's start-up with ULFM's heartbeat detector
+# on (2 Slurm nodes). The job then ends at once (it used to wait until its time limit);
+# what these tests check starts later, so such a run is submitted once more.
+LOST_IN_START_UP = "of the job died during start-up"
+
+
 def run_batch(tmp_path, text: str) -> str:
     """Submit TEXT, wait for it to end COMPLETED, return its log."""
     script = tmp_path / "elastic.sbatch"
     script.write_text(text)
-    res = sh(["sbatch", "--parsable", str(script)], 60, cwd=tmp_path)
-    assert res.returncode == 0, f"sbatch failed: {res.stderr}"
-    job = Job(res.stdout.strip().split(";")[0], tmp_path, "elastic-*.out")
-    recs = job.wait(timeout=400)
-    assert_completed(job, recs)
-    return job.logs()
+    for attempt in (1, 2):
+        res = sh(["sbatch", "--parsable", str(script)], 60, cwd=tmp_path)
+        assert res.returncode == 0, f"sbatch failed: {res.stderr}"
+        job_id = res.stdout.strip().split(";")[0]
+        job = Job(job_id, tmp_path, f"elastic-{job_id}.out")
+        recs = job.wait(timeout=400)
+        if attempt == 1 and LOST_IN_START_UP in job.logs() and any(
+                r.get("JobState") != "COMPLETED" for r in recs):
+            print(f"a rank was lost in MPI's start-up: submitting again; the first run's log:\n"
+                  f"{job.logs()[-3000:]}")
+            continue
+        assert_completed(job, recs)
+        return job.logs()
 
 
 @needs_ulfm
