@@ -249,7 +249,8 @@ def run_elastic_with_fault(nodes: int, fault: list, outdir) -> tuple:
             recovered = time.monotonic() - cut
     proc.wait(timeout=60)
     took = time.monotonic() - cut
-    print(f"elastic, fault {' '.join(fault)}: recovered {recovered} s after it, the job ended "
+    what = fault.__name__ if callable(fault) else " ".join(fault)
+    print(f"elastic, fault {what}: recovered {recovered} s after it, the job ended "
           f"{took:.1f} s after it, status {proc.returncode}")
     return proc.returncode, "".join(out), took, recovered
 
