@@ -1,5 +1,6 @@
 """The last rank all-reduces float64 where the others pass float32 (256 KiB against 512 KiB:
-below the size at which default mode agrees on the call first). The stall report must name
+below the size at which default mode agrees on the call first; the case turns the
+shared-memory arena off, which agrees on every call it serves). The stall report must name
 each rank's call and the last rank as the culprit."""
 import time
 
