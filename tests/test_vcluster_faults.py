@@ -12,8 +12,9 @@ first, and it exits 0) is run with short keepalives: `hpcddp launch` turns it in
 
 Under `mpirun --with-ft ulfm` outside elastic mode, a rank lost in start-up or killed from
 outside while the job trains ends the job, the survivors naming it (never waiting in
-MPI_Finalize). In elastic mode (`mpirun --with-ft ulfm`, docs/elastic.md "A node that drops off the network")
-a node cut off is survived by the side holding the majority, and never trains a second world.
+MPI_Finalize). In elastic mode (docs/elastic.md) a rank SIGKILLed from outside is survived,
+and a node cut off ("A node that drops off the network") is survived by the side holding the
+majority, which never trains a second world.
 """
 from __future__ import annotations
 
@@ -98,6 +99,17 @@ def start_then_fault(cmd: list, env: dict, fault):
         res = vc("fault", *fault)
         assert res.returncode == 0, res.stderr
     return proc, out
+
+
+def kill_ranks_on(node: str, script: pathlib.Path):
+    """A fault: SIGKILL from outside (as the OOM killer sends it) to SCRIPT's ranks on NODE."""
+    def kill():
+        ranks = [p for p in node_processes(NAME, node, (script.name,)) if "prted" not in p]
+        assert ranks, f"no rank of {script.name} found on {node}"
+        for p in ranks:
+            os.kill(int(p.split(":")[0]), 9)
+    kill.__name__ = f"SIGKILL to the rank on {node}"
+    return kill
 
 
 def run_with_fault(nodes: int, fault: list, env: dict | None = None):
@@ -213,13 +225,7 @@ def test_rank_killed_from_outside_ends_a_fault_tolerant_job(cluster):
     trains: the survivors end naming it, status non-zero, nothing left."""
     cmd, env = plain_ulfm_job(3)
 
-    def kill_rank_on_node3():
-        ranks = [p for p in node_processes(NAME, "node3", (PLAIN_JOB.name,))
-                 if "python" in p and "prted" not in p]
-        assert ranks, "no rank found on node3"
-        for p in ranks:
-            os.kill(int(p.split(":")[0]), 9)
-    proc, out = start_then_fault(cmd, env, kill_rank_on_node3)
+    proc, out = start_then_fault(cmd, env, kill_ranks_on("node3", PLAIN_JOB))
     killed = time.monotonic()
     rest, _ = proc.communicate(timeout=300)
     took, out = time.monotonic() - killed, "".join(out) + rest
@@ -235,12 +241,12 @@ def test_rank_killed_from_outside_ends_a_fault_tolerant_job(cluster):
 ELASTIC_JOB = ROOT / "tests" / "vcluster" / "job_elastic.py"
 
 
-def run_elastic_with_fault(nodes: int, fault: list, outdir) -> tuple:
+def run_elastic_with_fault(nodes: int, fault, outdir, epochs: int = 30) -> tuple:
     """ELASTIC_JOB under `hpcddp launch -- mpirun --with-ft ulfm` on node1..NODES, FAULT once
     it loops -> (status, output, seconds from the fault to the end, seconds from the fault to
     the survivors' recovery line or None)."""
     cmd = launch_on_nodes(nodes, ulfm=True, grace=10) + [
-        sys.executable, str(ELASTIC_JOB), str(outdir), "30"]
+        sys.executable, str(ELASTIC_JOB), str(outdir), str(epochs)]
     proc, out = start_then_fault(cmd, _vc_env(NAME, SUBNET), fault)
     cut, recovered = time.monotonic(), None
     for line in proc.stdout:
@@ -288,6 +294,22 @@ def test_elastic_job_survives_a_node_off_the_network(healed, tmp_path):
         assert not node_processes(NAME, node, (ELASTIC_JOB.name, "prte")), node
     # the cut-off rank found itself alone, without a majority, and stopped (no world of one)
     assert not elastic_gone(["node3"]), out[-3000:]
+
+
+def test_elastic_job_survives_a_rank_killed_from_outside(healed, tmp_path):
+    """Rank 2 on node3 of 3 SIGKILLed by another process: ranks 0 and 1 recover at once and
+    train to the end at 2, status 0, nothing left on any node."""
+    status, out, took, recovered = run_elastic_with_fault(3, kill_ranks_on("node3", ELASTIC_JOB),
+                                                          tmp_path, epochs=8)
+    assert status == 0, out[-6000:]
+    assert recovered is not None and recovered < 5, out[-6000:]
+    assert "lost rank 2 on node3" in out, out[-6000:]
+    final = survivors(tmp_path)
+    assert [f["rank"] for f in final] == [0, 1], out[-6000:]
+    assert all(f["size"] == 2 and f["lost"] == [[2]] for f in final), final
+    assert len({f["params"] for f in final}) == 1, final
+    for node in ("node1", "node2", "node3"):
+        assert not node_processes(NAME, node, (ELASTIC_JOB.name, "prte")), node
 
 
 def test_elastic_job_grows_back_onto_a_spare_node(healed, tmp_path):
