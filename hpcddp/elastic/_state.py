@@ -345,15 +345,9 @@ class State:
 
     def recover(self, cause: BaseException | None = None) -> Recovery:
         """Revoke, shrink, agree, restore, rebuild (every survivor calls it)."""
-        MPI = _mpi()
-        from hpcddp.comm import output as _log
-        from hpcddp.comm.communicator import translate_to_world
         detected = self._failed_at or time.time()
         t0 = time.perf_counter()
-        old_ranks = set(self.world.world_ranks)
         hosts_before = dict(self._hosts)      # a replacement may take a lost rank elsewhere
-        lost: set = set()
-        replaced, spawn_tries, no_slot = [], 0, None
         comm = self.world.mpi
         old_model, self.model = self.model, None
         _unhook(old_model)
@@ -365,6 +359,49 @@ class State:
             now = time.perf_counter()
             phases[name] = phases.get(name, 0.0) + now - mark[0]
             mark[0] = now
+        lost, src, replaced, no_slot = self._shrink_and_rebuild(comm, lap)
+        redealt = len(self.sampler.chunks(self.pos))
+        self.sampler.repartition(self.size, self.rank, self.pos)
+        self.model = self._wrap()
+        lap("ddp")
+        if self.want_groups:
+            from hpcddp.backend import topology_groups as tg
+            self.groups = tg()
+        for fn in self.on_recovery:
+            fn(self)
+        lap("groups_callbacks")
+        seconds = time.perf_counter() - t0
+        full = set(self.world.world_ranks) == self._job_ranks
+        kill = _inject.kill_times()
+        t_kill = min((kill[r] for r in lost if r in kill), default=None)
+        rec = Recovery(lost=lost, world_size=self.size, step=self.global_step, epoch=self.epoch,
+                       position=self.pos, steps_redealt=redealt, source_rank=src,
+                       seconds=seconds, phases=phases, detected_at=detected,
+                       cause=repr(cause)[:200], replaced=replaced, no_slot=no_slot,
+                       detect_to_full_size_s=(time.time() - detected if full and replaced
+                                              else None),
+                       kill_to_full_size_s=(time.time() - t_kill if full and replaced
+                                            and t_kill is not None else None),
+                       first_step_at=None, kill_to_step_s=None, detect_to_step_s=None)
+        self.recoveries.append(rec)
+        self.generation += 1
+        _exit_without_finalize()
+        self._failed, self._failed_at, self._stepped = None, None, False
+        self._first_step_after = rec
+        if self.verbose and self.reporting:
+            self._report_recovery(rec, hosts_before)
+        return rec
+
+    def _shrink_and_rebuild(self, comm, lap):
+        """Revoke and shrink COMM (again while ranks are lost during it), stop on the minority
+        side, agree on the furthest position, grow back where asked, rebuild and restore.
+        -> (lost start-up ranks, sorted; the rank whose state was restored; the replacements
+        placed; why no slot was found, or None)."""
+        MPI = _mpi()
+        from hpcddp.comm.communicator import translate_to_world
+        old_ranks = set(self.world.world_ranks)
+        lost: set = set()
+        replaced, spawn_tries, no_slot = [], 0, None
         while True:
             for c in _comms_to_revoke(self._rt):
                 try:
@@ -406,56 +443,32 @@ class State:
                 if not is_process_failure(exc, new):
                     raise
                 comm = new            # another rank was lost while recovering: again
-        lost = sorted(lost)
-        redealt = len(self.sampler.chunks(self.pos))
-        self.sampler.repartition(self.size, self.rank, self.pos)
-        self.model = self._wrap()
-        lap("ddp")
-        if self.want_groups:
-            from hpcddp.backend import topology_groups as tg
-            self.groups = tg()
-        for fn in self.on_recovery:
-            fn(self)
-        lap("groups_callbacks")
-        seconds = time.perf_counter() - t0
-        full = set(self.world.world_ranks) == self._job_ranks
-        kill = _inject.kill_times()
-        t_kill = min((kill[r] for r in lost if r in kill), default=None)
-        rec = Recovery(lost=lost, world_size=self.size, step=self.global_step, epoch=self.epoch,
-                       position=self.pos, steps_redealt=redealt, source_rank=src,
-                       seconds=seconds, phases=phases, detected_at=detected,
-                       cause=repr(cause)[:200], replaced=replaced, no_slot=no_slot,
-                       detect_to_full_size_s=(time.time() - detected if full and replaced
-                                              else None),
-                       kill_to_full_size_s=(time.time() - t_kill if full and replaced
-                                            and t_kill is not None else None),
-                       first_step_at=None, kill_to_step_s=None, detect_to_step_s=None)
-        self.recoveries.append(rec)
-        self.generation += 1
-        _exit_without_finalize()
-        self._failed, self._failed_at, self._stepped = None, None, False
-        self._first_step_after = rec
-        if self.verbose and self.reporting:
-            _log.log(f"elastic: lost rank{'s' if len(lost) != 1 else ''} "
-                     f"{_ranks_on_nodes(lost, hosts_before)} (start-up numbering) before step "
-                     f"{self.global_step} (epoch {self.epoch + 1}, {self.pos} of "
-                     f"{self.sampler.epoch_samples} samples done); recovered in {seconds:.3f} s "
-                     f"on {self.size} rank(s): state from rank {src}, the epoch's last "
-                     f"{redealt} step(s) dealt over the "
-                     f"{'world grown back' if replaced else 'survivors'}")
-            for r, host in replaced:
-                _log.log(f"elastic: rank {r} replaced: a new process started on "
-                         f"{host or 'a free slot'} (MPI_Comm_spawn) joined the world")
-            if no_slot is not None:
-                _log.log(f"elastic: {NO_SLOT_LINE} for rank{'s' if len(lost) != 1 else ''} "
-                         f"{', '.join(map(str, lost))} ({no_slot[:160]}): the job goes on with "
-                         f"{self.size} of {len(self._job_ranks)} ranks")
-            if rec.detect_to_full_size_s is not None:
-                kill = "" if rec.kill_to_full_size_s is None else \
-                    f", kill -> full size {rec.kill_to_full_size_s:.2f} s"
-                _log.log(f"elastic: back to full size ({self.size} ranks): failure seen -> full "
-                         f"size {rec.detect_to_full_size_s:.2f} s{kill}")
-        return rec
+        return sorted(lost), src, replaced, no_slot
+
+    def _report_recovery(self, rec: Recovery, hosts_before: dict) -> None:
+        """The recovery lines (printed by the reporting rank only)."""
+        from hpcddp.comm import output as _log
+        lost, seconds, src, redealt = rec.lost, rec.seconds, rec.source_rank, rec.steps_redealt
+        replaced, no_slot = rec.replaced, rec.no_slot
+        _log.log(f"elastic: lost rank{'s' if len(lost) != 1 else ''} "
+                 f"{_ranks_on_nodes(lost, hosts_before)} (start-up numbering) before step "
+                 f"{self.global_step} (epoch {self.epoch + 1}, {self.pos} of "
+                 f"{self.sampler.epoch_samples} samples done); recovered in {seconds:.3f} s "
+                 f"on {self.size} rank(s): state from rank {src}, the epoch's last "
+                 f"{redealt} step(s) dealt over the "
+                 f"{'world grown back' if replaced else 'survivors'}")
+        for r, host in replaced:
+            _log.log(f"elastic: rank {r} replaced: a new process started on "
+                     f"{host or 'a free slot'} (MPI_Comm_spawn) joined the world")
+        if no_slot is not None:
+            _log.log(f"elastic: {NO_SLOT_LINE} for rank{'s' if len(lost) != 1 else ''} "
+                     f"{', '.join(map(str, lost))} ({no_slot[:160]}): the job goes on with "
+                     f"{self.size} of {len(self._job_ranks)} ranks")
+        if rec.detect_to_full_size_s is not None:
+            kill = "" if rec.kill_to_full_size_s is None else \
+                f", kill -> full size {rec.kill_to_full_size_s:.2f} s"
+            _log.log(f"elastic: back to full size ({self.size} ranks): failure seen -> full "
+                     f"size {rec.detect_to_full_size_s:.2f} s{kill}")
 
     @property
     def reporting(self) -> bool:
