@@ -174,50 +174,64 @@ def analyse(snaps: dict, gone: dict, size: int) -> dict:
 
 
 def _analyse_calls(snaps: dict, gone: dict, size: int) -> dict:
-    lines, hints, kinds = [], [], set()
     r0, op = stalled_op(snaps)
     dead = sorted(gone)
-    if dead:
-        kinds.add("dead")
+    kinds = {"dead"} if dead else set()
     if op is None:
-        fin = sorted(r for r, s in snaps.items() if s and s.get("finalizing"))
-        others = sorted(r for r in snaps if r not in fin)
-        if fin:
-            lines.append(f"{ranks_word(fin)} {'has' if len(fin) == 1 else 'have'} reached "
-                         f"hpcddp's finalize (the end of the script) and "
-                         f"{'waits' if len(fin) == 1 else 'wait'} for the others")
-            for status, rs in _grouped({r: _status(snaps[r], None) for r in others}):
-                lines.append(f"{ranks_word(rs)}: {status}")
-        for r in dead:
-            lines.append(f"rank {r} is {dead_text(gone[r])}")
-        return {"lines": lines, "hints": _hints(kinds | ({"finalize"} if fin else set())),
-                "stall": bool(dead)}
-
-    key = _key(op)
-    members = list(op.get("ranks") or range(size))
-    seq = op["seq"]
+        return _analyse_no_call(snaps, gone, dead, kinds)
     if op["op"] in P2P_OPS:
-        kinds.add("p2p")
-        peer_world = None
-        if isinstance(op.get("peer"), int) and 0 <= op["peer"] < len(members):
-            peer_world = members[op["peer"]]
-        lines.append(f"rank {r0} has waited {op['age']:.1f} s in {op_text(op)}")
-        cycle = _p2p_cycle(snaps, r0)
-        if cycle:
-            kinds.discard("p2p")
-            kinds.add("deadlock")
-            waits = "; ".join(f"rank {a} waits for rank {b}" for a, b in
-                              zip(cycle, cycle[1:] + cycle[:1]))
-            lines.append(f"a point-to-point deadlock: {waits}: each waits in a blocking "
-                         f"send/recv for a rank that itself waits, so none can go on")
-        if peer_world is not None and peer_world != r0:
-            s = snaps.get(peer_world)
-            lines.append(f"rank {peer_world} (its peer) is {_status(s, gone.get(peer_world))}")
-        for r in dead:
-            if r != peer_world:
-                lines.append(f"rank {r} is {dead_text(gone[r])}")
-        return {"lines": lines, "hints": _hints(kinds), "stall": True}
+        return _analyse_p2p(snaps, gone, dead, kinds, r0, op, size)
+    return _analyse_collective(snaps, gone, dead, kinds, op, size)
 
+
+def _analyse_no_call(snaps: dict, gone: dict, dead: list, kinds: set) -> dict:
+    """No rank waits in an op: some reached the end of the script, or ranks died."""
+    lines = []
+    fin = sorted(r for r, s in snaps.items() if s and s.get("finalizing"))
+    others = sorted(r for r in snaps if r not in fin)
+    if fin:
+        lines.append(f"{ranks_word(fin)} {'has' if len(fin) == 1 else 'have'} reached "
+                     f"hpcddp's finalize (the end of the script) and "
+                     f"{'waits' if len(fin) == 1 else 'wait'} for the others")
+        for status, rs in _grouped({r: _status(snaps[r], None) for r in others}):
+            lines.append(f"{ranks_word(rs)}: {status}")
+    for r in dead:
+        lines.append(f"rank {r} is {dead_text(gone[r])}")
+    return {"lines": lines, "hints": _hints(kinds | ({"finalize"} if fin else set())),
+            "stall": bool(dead)}
+
+
+def _analyse_p2p(snaps: dict, gone: dict, dead: list, kinds: set, r0: int, op: dict,
+                 size: int) -> dict:
+    """Rank R0 waits in a send or receive: its peer, and a cycle of blocking calls."""
+    members = list(op.get("ranks") or range(size))
+    kinds.add("p2p")
+    peer_world = None
+    if isinstance(op.get("peer"), int) and 0 <= op["peer"] < len(members):
+        peer_world = members[op["peer"]]
+    lines = [f"rank {r0} has waited {op['age']:.1f} s in {op_text(op)}"]
+    cycle = _p2p_cycle(snaps, r0)
+    if cycle:
+        kinds.discard("p2p")
+        kinds.add("deadlock")
+        waits = "; ".join(f"rank {a} waits for rank {b}" for a, b in
+                          zip(cycle, cycle[1:] + cycle[:1]))
+        lines.append(f"a point-to-point deadlock: {waits}: each waits in a blocking "
+                     f"send/recv for a rank that itself waits, so none can go on")
+    if peer_world is not None and peer_world != r0:
+        s = snaps.get(peer_world)
+        lines.append(f"rank {peer_world} (its peer) is {_status(s, gone.get(peer_world))}")
+    for r in dead:
+        if r != peer_world:
+            lines.append(f"rank {r} is {dead_text(gone[r])}")
+    return {"lines": lines, "hints": _hints(kinds), "stall": True}
+
+
+def _analyse_collective(snaps: dict, gone: dict, dead: list, kinds: set, op: dict,
+                        size: int) -> dict:
+    """The stalled collective OP: who waits in it, and where each other member is."""
+    key, seq = _key(op), op["seq"]
+    members = list(op.get("ranks") or range(size))
     waiting, other, ages, local = [], {}, {}, {}
     for m in members:
         s = snaps.get(m)
@@ -227,61 +241,22 @@ def _analyse_calls(snaps: dict, gone: dict, size: int) -> dict:
         mine = sorted((d for d in s["inflight"] if _key(d) == key and d["op"] not in P2P_OPS
                        and d["op"] != "finalize"),
                       key=lambda d: d["seq"])
-        if mine:
-            d = mine[0]
-            if d["seq"] == seq and d["op"] == op["op"]:
+        if not mine:
+            other[m] = _outside_the_group(s, op, key, seq, kinds)
+            continue
+        d = mine[0]
+        if d["seq"] == seq and d["op"] == op["op"]:
+            if isinstance(d.get("peer"), str):
+                local[m] = d["peer"]
+            if d.get("shape") != op.get("shape") or d.get("dtype") != op.get("dtype"):
+                kinds.add("mismatch")
+                other[m] = f"called {op['op']} #{seq} with ({op_args(d)}) instead"
+            else:
                 waiting.append(m)
                 ages[m] = d["age"]
-                if isinstance(d.get("peer"), str):
-                    local[m] = d["peer"]
-                if d.get("shape") != op.get("shape") or d.get("dtype") != op.get("dtype"):
-                    kinds.add("mismatch")
-                    other[m] = f"called {op['op']} #{seq} with ({op_args(d)}) instead"
-                    waiting.pop()
-            elif d["seq"] == seq:
-                kinds.add("mismatch")
-                other[m] = f"called {op_text(d)} instead"
-            elif d["seq"] == seq + 1 and _finished_same(s, key, op):
-                # a ring or a tree lets a rank finish its part of a call before the others
-                other[m] = (f"has finished its part of #{seq} and waits in the next call, "
-                            f"{op_text(d)}")
-            elif (d["seq"] > seq and d["op"] == op["op"] and op["op"] in PIPELINED_OPS
-                  and _ran_ahead(s, key, op, d["seq"])):
-                other[m] = (f"has finished its part of #{seq} to #{d['seq'] - 1} and waits in "
-                            f"{op_text(d)}: a pipeline (the staging ring) lets a rank run "
-                            f"ahead of the slowest")
-            elif d["seq"] > seq:
-                kinds.add("mismatch")
-                other[m] = (f"already passed #{seq} and is in {op_text(d)}: its calls were "
-                            f"matched with different ones on other ranks")
-            else:
-                other[m] = f"is behind, in {op_text(d)}"
-            continue
-        g = _last_on(s, key)
-        done = (g or {}).get("seq") or 0
-        st = _status(s, None, not_on=key)
-        if "finalize" in st:
-            kinds.add("finalize")
-        elif "uncaught exception" in st:
-            kinds.add("exception")
-        elif st.startswith("in Python"):
-            kinds.add("python")
         else:
-            kinds.add("elsewhere")
-        if done < seq:
-            last = (g or {}).get("last")
-            tail = f"; its last op on {op['group']} was {last['op']} #{last['seq']}" if last else ""
-            other[m] = f"has not called {op['op']} #{seq} on {op['group']}: it is {st}{tail}"
-        else:
-            kinds.add("mismatch")
-            rec = [d for d in (g or {}).get("recent", []) if d and d["seq"] == seq]
-            if rec and rec[0].get("abandoned"):
-                other[m] = (f"called {rec[0]['op']}({op_args(rec[0])}) as #{seq} on "
-                            f"{op['group']}, left it unfinished, and is now {st}")
-            else:
-                as_ = f" (as {rec[0]['op']}({op_args(rec[0])}))" if rec else ""
-                other[m] = (f"already completed #{seq} on {op['group']}{as_} and is now {st}: "
-                            f"its calls were matched with different ones on other ranks")
+            other[m] = _in_another_call(s, d, op, key, seq, kinds)
+    lines = []
     culprit = _differing_calls(snaps, members, key, seq, op["group"])
     if culprit:
         kinds.add("mismatch")
@@ -293,6 +268,63 @@ def _analyse_calls(snaps: dict, gone: dict, size: int) -> dict:
         kinds.add("local")
         lines.append(f"rank {m} waits for {what}, not for another rank: the stall is on its "
                      f"own node (the others wait for it)")
+    lines += _others_lines(other, op, seq)
+    for r in dead:
+        if r not in members:
+            lines.append(f"rank {r} (not in {op['group']}) is {dead_text(gone[r])}")
+    return {"lines": lines, "hints": _hints(kinds), "stall": True}
+
+
+def _in_another_call(s: dict, d: dict, op: dict, key, seq: int, kinds: set) -> str:
+    """Where a member is whose first unfinished call D on the group is not the stalled one."""
+    if d["seq"] == seq:
+        kinds.add("mismatch")
+        return f"called {op_text(d)} instead"
+    if d["seq"] == seq + 1 and _finished_same(s, key, op):
+        # a ring or a tree lets a rank finish its part of a call before the others
+        return f"has finished its part of #{seq} and waits in the next call, {op_text(d)}"
+    if (d["seq"] > seq and d["op"] == op["op"] and op["op"] in PIPELINED_OPS
+            and _ran_ahead(s, key, op, d["seq"])):
+        return (f"has finished its part of #{seq} to #{d['seq'] - 1} and waits in "
+                f"{op_text(d)}: a pipeline (the staging ring) lets a rank run "
+                f"ahead of the slowest")
+    if d["seq"] > seq:
+        kinds.add("mismatch")
+        return (f"already passed #{seq} and is in {op_text(d)}: its calls were "
+                f"matched with different ones on other ranks")
+    return f"is behind, in {op_text(d)}"
+
+
+def _outside_the_group(s: dict, op: dict, key, seq: int, kinds: set) -> str:
+    """Where a member is that has no call in flight on the group."""
+    g = _last_on(s, key)
+    done = (g or {}).get("seq") or 0
+    st = _status(s, None, not_on=key)
+    if "finalize" in st:
+        kinds.add("finalize")
+    elif "uncaught exception" in st:
+        kinds.add("exception")
+    elif st.startswith("in Python"):
+        kinds.add("python")
+    else:
+        kinds.add("elsewhere")
+    if done < seq:
+        last = (g or {}).get("last")
+        tail = f"; its last op on {op['group']} was {last['op']} #{last['seq']}" if last else ""
+        return f"has not called {op['op']} #{seq} on {op['group']}: it is {st}{tail}"
+    kinds.add("mismatch")
+    rec = [d for d in (g or {}).get("recent", []) if d and d["seq"] == seq]
+    if rec and rec[0].get("abandoned"):
+        return (f"called {rec[0]['op']}({op_args(rec[0])}) as #{seq} on "
+                f"{op['group']}, left it unfinished, and is now {st}")
+    as_ = f" (as {rec[0]['op']}({op_args(rec[0])}))" if rec else ""
+    return (f"already completed #{seq} on {op['group']}{as_} and is now {st}: "
+            f"its calls were matched with different ones on other ranks")
+
+
+def _others_lines(other: dict, op: dict, seq: int) -> list:
+    """One line per group of ranks in the same place (OTHER: rank -> where it is)."""
+    lines = []
     for text, rs in _grouped(other):
         if text.startswith("has not called"):
             if len(rs) > 1:
@@ -306,10 +338,7 @@ def _analyse_calls(snaps: dict, gone: dict, size: int) -> dict:
             lines.append(f"{ranks_word(rs)} {'is' if len(rs) == 1 else 'are'} {text}")
         else:
             lines.append(f"{ranks_word(rs)} {text}")
-    for r in dead:
-        if r not in members:
-            lines.append(f"rank {r} (not in {op['group']}) is {dead_text(gone[r])}")
-    return {"lines": lines, "hints": _hints(kinds), "stall": True}
+    return lines
 
 
 def _finished_same(snap: dict, key, op: dict) -> bool:
