@@ -531,6 +531,14 @@ def _write(src: _Source, enc: _Encoder, out: str, format: str, shard_bytes: int,
     finally:
         bar.close()
 
+    m = _write_manifest(src, enc, out, format, shard_bytes, keys, all_labels, shards)
+    m.pack_seconds = time.perf_counter() - t0
+    return m
+
+
+def _write_manifest(src: _Source, enc: _Encoder, out: str, format: str, shard_bytes: int,
+                    keys: list, all_labels: list, shards: list) -> mf.Manifest:
+    """Write the manifest (last: a pack is complete once it exists) of the SHARDS written."""
     have = [lab is not None for lab in all_labels]
     if any(have) and not all(have):
         raise ValueError(f"pack: {have.count(False)} of {len(have)} samples have no label; give "
@@ -550,9 +558,7 @@ def _write(src: _Source, enc: _Encoder, out: str, format: str, shard_bytes: int,
     mf.validate(doc, f"pack({out})")
     raw = mf.dumps(doc)
     mf.write_atomic(os.path.join(out, mf.MANIFEST), raw)
-    m = mf.Manifest(doc, raw)
-    m.pack_seconds = time.perf_counter() - t0
-    return m
+    return mf.Manifest(doc, raw)
 
 
 def _clear_dataset_dir(out: str) -> None:

@@ -234,16 +234,7 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
                 return seen.errorcode or (JOB_FAILED if seen.status is None else seen.status)
         for reader in readers:
             reader.join(timeout=5)
-        if rc == 0 and seen.lost_node:
-            print(f"{name}: the launcher lost node {seen.lost_node} (its daemon stopped "
-                  f"answering) and ended the job, yet exited 0: exit {JOB_FAILED}", file=sys.stderr)
-            return JOB_FAILED
-        if rc != 0 and seen.regrown and seen.status is not None:
-            print(f"{name}: the launcher exited {rc} for a replacement rank (one it could not "
-                  f"start, or one lost later); every rank of the elastic job left with "
-                  f"{seen.status}: exit {seen.status}", file=sys.stderr)
-            return seen.status
-        return rc
+        return _status_of(rc, seen, name)
     except (KeyboardInterrupt, _Terminated) as exc:
         _end_group(proc, signal.SIGTERM)
         try:
@@ -255,6 +246,20 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
         return JOB_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else JOB_TERMINATED
     finally:
         _restore(previous)
+
+
+def _status_of(rc: int, seen, name: str) -> int:
+    """The job's status from the launcher's RC and what its output said (SEEN)."""
+    if rc == 0 and seen.lost_node:
+        print(f"{name}: the launcher lost node {seen.lost_node} (its daemon stopped "
+              f"answering) and ended the job, yet exited 0: exit {JOB_FAILED}", file=sys.stderr)
+        return JOB_FAILED
+    if rc != 0 and seen.regrown and seen.status is not None:
+        print(f"{name}: the launcher exited {rc} for a replacement rank (one it could not "
+              f"start, or one lost later); every rank of the elastic job left with "
+              f"{seen.status}: exit {seen.status}", file=sys.stderr)
+        return seen.status
+    return rc
 
 
 def _restore(handlers: dict) -> None:
