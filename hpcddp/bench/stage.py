@@ -98,7 +98,6 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
     import hpcddp
     from hpcddp.bench import machine, protocol
     from hpcddp.comm import MPI
-    from hpcddp.data.staging import stage
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad:
         raise ValueError(f"bench stage: unknown strategy {bad}; valid: {', '.join(STRATEGIES)}")
@@ -140,38 +139,10 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
     for r in range(rounds):
         shift = r % len(strategies)
         for s in list(strategies[shift:]) + list(strategies[:shift]):
-            dest = os.path.join(work, "dest", s, "node{node}")
-            if rank == 0:
-                shutil.rmtree(os.path.join(work, "dest"), ignore_errors=True)
-                if cold:
-                    _evict(src)
-            _sleepy_barrier(ctl)
-            t0 = time.perf_counter()
-            good = True
-            if s == "mpi":
-                n_read = n_written = 0
-                good = _raw_allgather(peers, dataset)
-            elif s == "cp":
-                n_read = n_written = 0
-                if topo.is_leader:
-                    node_dest = dest.replace("{node}", str(topo.node))
-                    os.makedirs(os.path.dirname(node_dest), exist_ok=True)
-                    proc = subprocess.run(["cp", "-r", src, node_dest], capture_output=True,
-                                          text=True, timeout=3600)
-                    good = proc.returncode == 0
-                    n_read = n_written = dataset
-            else:
-                res = stage(src, dest, strategy=s, group_nodes=group_nodes, progress=False)
-                n_read, n_written = res.bytes_read_from_source, res.bytes_written
-                lock_s.append(res.phases["lock"])
-            _sleepy_barrier(ctl)
-            dt = protocol.allmax(ctl, time.perf_counter() - t0)
-            if s == "cp":
-                if topo.is_leader:   # outside timing: the copy is complete and the right size
-                    good = good and _tree_bytes(dest.replace("{node}", str(topo.node))) == dataset
-                n_read = ctl.allreduce(n_read, op=MPI.SUM)
-                n_written = ctl.allreduce(n_written, op=MPI.SUM)
-            good = bool(ctl.allreduce(1 if good else 0, op=MPI.MIN))
+            dt, n_read, n_written, good, lock = _time_strategy(
+                s, ctl, topo, work, src, dataset, peers, cold, group_nodes)
+            if lock is not None:
+                lock_s.append(lock)
             times[s].append(dt)
             read[s].append(n_read)
             written[s].append(n_written)
@@ -189,7 +160,17 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
     load = meter.stop()
     if rank != 0:
         return None
-    k = groups_of
+    config = {"size_mb": size_mb, "files": files, "rounds": rounds, "discarded_rounds": 1,
+              "strategies": list(strategies), "ranks": ctl.Get_size(), "nodes": topo.num_nodes,
+              "cache": "cold" if cold else "warm", "link_bytes_per_s": link_bytes_per_s,
+              "group_nodes": groups_of}
+    return _summary(setup, load, config, dataset, times, read, written, ok, integrity)
+
+
+def _summary(setup, load, config, dataset, times, read, written, ok, integrity) -> dict:
+    """The benchmark's result: one row per strategy (round 1 discarded), paired ratios."""
+    from hpcddp.bench import protocol
+    strategies, k, link = config["strategies"], config["group_nodes"], config["link_bytes_per_s"]
     rows = []
     for s in strategies:
         kept = times[s][1:]
@@ -211,15 +192,53 @@ def run(dir=None, size_mb: float = 256.0, files: int = 16, rounds: int = 3,
                 ratios[f"cp/{s}"] = protocol.spread(protocol.paired(times["cp"][1:],
                                                                     times[s][1:]))
     return {"kind": "hpcddp-bench-stage", "version": 1, "setup": setup, "load": load,
-            "config": {"size_mb": size_mb, "files": files, "rounds": rounds,
-                       "discarded_rounds": 1, "strategies": list(strategies),
-                       "ranks": ctl.Get_size(), "nodes": topo.num_nodes,
-                       "cache": "cold" if cold else "warm", "link_bytes_per_s": link_bytes_per_s,
-                       "group_nodes": k},
-            "bound_s": ((k - 1) / k * dataset / link_bytes_per_s
-                        if link_bytes_per_s and k > 1 else None),
+            "config": config,
+            "bound_s": (k - 1) / k * dataset / link if link and k > 1 else None,
             "dataset_bytes": dataset, "strategies": rows, "ratios": ratios,
             "integrity": integrity, "correct": all(ok.values())}
+
+
+def _time_strategy(s: str, ctl, topo, work: str, src: str, dataset: int, peers, cold: bool,
+                   group_nodes) -> tuple:
+    """One timed run of strategy S (the source evicted first where COLD) -> (seconds, bytes
+    read from the source, bytes written, whether the copy is right, the lock's seconds)."""
+    from hpcddp.bench import protocol
+    from hpcddp.comm import MPI
+    from hpcddp.data.staging import stage
+    dest = os.path.join(work, "dest", s, "node{node}")
+    rank = ctl.Get_rank()
+    if rank == 0:
+        shutil.rmtree(os.path.join(work, "dest"), ignore_errors=True)
+        if cold:
+            _evict(src)
+    _sleepy_barrier(ctl)
+    t0 = time.perf_counter()
+    good, lock = True, None
+    if s == "mpi":
+        n_read = n_written = 0
+        good = _raw_allgather(peers, dataset)
+    elif s == "cp":
+        n_read = n_written = 0
+        if topo.is_leader:
+            node_dest = dest.replace("{node}", str(topo.node))
+            os.makedirs(os.path.dirname(node_dest), exist_ok=True)
+            proc = subprocess.run(["cp", "-r", src, node_dest], capture_output=True,
+                                  text=True, timeout=3600)
+            good = proc.returncode == 0
+            n_read = n_written = dataset
+    else:
+        res = stage(src, dest, strategy=s, group_nodes=group_nodes, progress=False)
+        n_read, n_written = res.bytes_read_from_source, res.bytes_written
+        lock = res.phases["lock"]
+    _sleepy_barrier(ctl)
+    dt = protocol.allmax(ctl, time.perf_counter() - t0)
+    if s == "cp":
+        if topo.is_leader:   # outside timing: the copy is complete and the right size
+            good = good and _tree_bytes(dest.replace("{node}", str(topo.node))) == dataset
+        n_read = ctl.allreduce(n_read, op=MPI.SUM)
+        n_written = ctl.allreduce(n_written, op=MPI.SUM)
+    good = bool(ctl.allreduce(1 if good else 0, op=MPI.MIN))
+    return dt, n_read, n_written, good, lock
 
 
 def _raw_allgather(lc, dataset: int) -> bool:
