@@ -75,7 +75,6 @@ def run(models=("10M", "50M"), batch: int = 32, steps: int | None = None, rounds
         bucket_mb: float = 25.0, seed: int = 0, round_s: float = 1.0, progress=None,
         ctx=None, link_bytes_per_s: float | None = None) -> dict | None:
     """Run the DDP benchmark; collective over the world. Returns the result on rank 0."""
-    import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hpcddp.bench import machine, protocol
@@ -123,38 +122,10 @@ def run(models=("10M", "50M"), batch: int = 32, steps: int | None = None, rounds
                 local[r, MODES.index(m)] = protocol.time_batch(fns[m], k, ctl)
         both = np.empty_like(local)
         ctl.Allreduce(local, both, op=MPI.MAX)
-        # correctness, outside timing
-        diff = max((a - b).abs().max().item() for a, b in
-                   zip(copies["hpcddp"].parameters(), copies["gloo"].parameters()))
-        flat = torch.cat([p.detach().reshape(-1) for p in copies["hpcddp"].parameters()])
-        csum = float(flat.double().sum())
-        spread_ranks = ctl.allreduce(csum, op=MPI.MAX) - ctl.allreduce(csum, op=MPI.MIN)
-        diff = ctl.allreduce(diff, op=MPI.MAX)
-        scale = max(1.0, float(flat.abs().max()))
-        correct = bool(diff <= 1e-4 * scale and abs(spread_ranks) <= 1e-6 * max(1.0, abs(csum)))
+        diff, spread_ranks, correct = _same_parameters(ctl, copies)   # outside timing
         correct_all &= correct
         if ctx.rank == 0:
-            times = {m: both[:, i].tolist() for i, m in enumerate(MODES)}
-            kept = {m: t[1:] for m, t in times.items()}
-            stats = {m: {"step_ms": protocol.median(t) * 1e3,
-                         "steps_per_s": 1.0 / protocol.median(t),
-                         "q1_ms": protocol.quantile(t, 0.25) * 1e3,
-                         "q3_ms": protocol.quantile(t, 0.75) * 1e3} for m, t in kept.items()}
-            ratios = {"hpcddp/gloo": protocol.spread(protocol.paired(kept["gloo"], kept["hpcddp"])),
-                      "hpcddp/compute": protocol.spread(
-                          protocol.paired(kept["compute"], kept["hpcddp"])),
-                      "gloo/compute": protocol.spread(
-                          protocol.paired(kept["compute"], kept["gloo"])),
-                      "hpcddp_comm_ms": protocol.spread(
-                          [d * 1e3 for d in protocol.paired(kept["hpcddp"], kept["compute"],
-                                                            "diff")]),
-                      "gloo_comm_ms": protocol.spread(
-                          [d * 1e3 for d in protocol.paired(kept["gloo"], kept["compute"],
-                                                            "diff")])}
-            rows.append({"model": name, "params": params, "grad_bytes": params * 4,
-                         "batch_per_rank": batch, "steps_per_round": k, "times_s": times,
-                         "stats": stats, "ratios": ratios, "max_param_diff": diff,
-                         "rank_checksum_spread": spread_ranks, "correct": correct})
+            rows.append(_model_row(name, params, batch, k, both, diff, spread_ranks, correct))
             if progress:
                 progress(f"{name} ({params / 1e6:.1f}M params) done")
         del trainers, copies, fns, base
@@ -180,6 +151,49 @@ def run(models=("10M", "50M"), batch: int = 32, steps: int | None = None, rounds
               "models": rows, "overlap": overlap, "correct": correct_all}
     result["targets"] = targets(result)
     return result
+
+
+def _same_parameters(ctl, copies) -> tuple:
+    """Whether the hpcddp and gloo copies took the same steps, and every rank holds the same
+    parameters -> (largest difference, spread of the ranks' checksums, correct)."""
+    import torch
+
+    from hpcddp.comm import MPI
+    diff = max((a - b).abs().max().item() for a, b in
+               zip(copies["hpcddp"].parameters(), copies["gloo"].parameters()))
+    flat = torch.cat([p.detach().reshape(-1) for p in copies["hpcddp"].parameters()])
+    csum = float(flat.double().sum())
+    spread_ranks = ctl.allreduce(csum, op=MPI.MAX) - ctl.allreduce(csum, op=MPI.MIN)
+    diff = ctl.allreduce(diff, op=MPI.MAX)
+    scale = max(1.0, float(flat.abs().max()))
+    return diff, spread_ranks, bool(diff <= 1e-4 * scale
+                                    and abs(spread_ranks) <= 1e-6 * max(1.0, abs(csum)))
+
+
+def _model_row(name, params, batch, k, both, diff, spread_ranks, correct) -> dict:
+    """One model's row: each mode's step times (round 1 discarded) and the paired ratios."""
+    from hpcddp.bench import protocol
+    times = {m: both[:, i].tolist() for i, m in enumerate(MODES)}
+    kept = {m: t[1:] for m, t in times.items()}
+    stats = {m: {"step_ms": protocol.median(t) * 1e3,
+                 "steps_per_s": 1.0 / protocol.median(t),
+                 "q1_ms": protocol.quantile(t, 0.25) * 1e3,
+                 "q3_ms": protocol.quantile(t, 0.75) * 1e3} for m, t in kept.items()}
+    ratios = {"hpcddp/gloo": protocol.spread(protocol.paired(kept["gloo"], kept["hpcddp"])),
+              "hpcddp/compute": protocol.spread(
+                  protocol.paired(kept["compute"], kept["hpcddp"])),
+              "gloo/compute": protocol.spread(
+                  protocol.paired(kept["compute"], kept["gloo"])),
+              "hpcddp_comm_ms": protocol.spread(
+                  [d * 1e3 for d in protocol.paired(kept["hpcddp"], kept["compute"],
+                                                    "diff")]),
+              "gloo_comm_ms": protocol.spread(
+                  [d * 1e3 for d in protocol.paired(kept["gloo"], kept["compute"],
+                                                    "diff")])}
+    return {"model": name, "params": params, "grad_bytes": params * 4,
+            "batch_per_rank": batch, "steps_per_round": k, "times_s": times,
+            "stats": stats, "ratios": ratios, "max_param_diff": diff,
+            "rank_checksum_spread": spread_ranks, "correct": correct}
 
 
 def _overlap(ctx, nbytes: int, rounds: int) -> dict:
