@@ -359,7 +359,11 @@ def test_ddp_smoke(tmp_path):
     assert ov["bytes"] == 25 << 20 and set(ov) == {"bytes", "hpcddp", "gloo"}
     for name in ("hpcddp", "gloo"):
         assert ov[name]["op_ms"] > 0 and ov[name]["compute_ms"] > 0, ov
-        assert -1.5 < ov[name]["overlap"] <= 1.5, ov     # a fraction, give or take noise
+        # the fraction itself is a timing (2 rounds of a few ms here: from -2.4 to 3.5 seen):
+        # measured by the benchmark, never asserted in a test; here, only its arithmetic
+        o = ov[name]
+        expect = (o["op_ms"] + o["compute_ms"] - o["both_ms"]) / min(o["op_ms"], o["compute_ms"])
+        assert math.isclose(o["overlap"], expect, rel_tol=1e-6, abs_tol=1e-9), ov
     assert "overlap: all_reduce of one bucket (25 MiB)" in res.stdout
     assert "bound" not in res.stdout        # one node, no link rate: no bound
 
