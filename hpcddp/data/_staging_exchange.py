@@ -161,89 +161,114 @@ def _run_ring(gl, plans, chunk, me, reader, pool, sink, want) -> None:
     recorder holds one entry per round (the oldest one not yet complete here), the same
     sequence on every leader, so a peer that stops shows in the stall report.
     """
-    from hpcddp.comm import MPI
-    g = gl.Get_size()
-    right, left = (me + 1) % g, (me - 1) % g
-    rounds = max((len(p) for p in plans), default=0)
-    share = ring_share(g)        # each stream's chunks in flight
-    streams = [_Stream(o, plans[o], chunk, share + 1) for o in range(g) if o != me]
-    held = {o: collections.deque() for o in range(g)}   # (send requests, slot, kept), in order
-    mine = plans[me]
-    sent = 0
-    rc = gl.Dup()                # the ring's messages apart from every other call's
+    _Ring(gl, plans, chunk, me, reader, pool, sink, want).run()
 
-    def nbytes(pieces) -> int:
-        return sum(p[3] for p in pieces)
 
-    def pass_on(origin, slot, pieces, verdicts) -> None:
+class _Ring:
+    """One leader's part of the ring: its own stream out, the others' streams through."""
+
+    def __init__(self, gl, plans, chunk, me, reader, pool, sink, want):
+        g = gl.Get_size()
+        self.gl, self.g, self.me = gl, g, me
+        self.right, self.left = (me + 1) % g, (me - 1) % g
+        self.rounds = max((len(p) for p in plans), default=0)
+        self.share = ring_share(g)        # each stream's chunks in flight
+        self.streams = [_Stream(o, plans[o], chunk, self.share + 1) for o in range(g) if o != me]
+        # per origin, in order: (send requests, slot, the pieces kept here)
+        self.held = {o: collections.deque() for o in range(g)}
+        self.mine = plans[me]
+        self.sent = 0
+        self.reader, self.pool, self.sink, self.want = reader, pool, sink, want
+        self.rc = None
+
+    def run(self) -> None:
+        from hpcddp.comm import MPI
+        self.rc = self.gl.Dup()           # the ring's messages apart from every other call's
+        done = 0
+        entry = watch_begin(self.gl, "stage:ring")
+        try:
+            while done < self.rounds or any(self.held.values()):
+                moved = self.step()
+                watch_local(entry, None if moved or not self.held_by_writer() else
+                            "this node's writer thread (every chunk buffer waits to be written)")
+                if not moved:
+                    MPI.Request.Testall(
+                        [q for d in self.held.values() for e in d for q in e[0]] +
+                        [e[2] for st in self.streams for e in st.posted if e[2]])
+                    time.sleep(RING_POLL_S)
+                while done < min(self.rounds_done(), self.rounds):
+                    done += 1
+                    watch_end(entry)
+                    entry = watch_begin(self.gl, "stage:ring")
+        finally:
+            watch_end(entry)
+            self.rc.Free()
+
+    def pass_on(self, origin, slot, pieces, verdicts) -> None:
         """Send SLOT right unless it ends its way here; keep it until sent, then write it."""
+        from hpcddp.comm import MPI
         reqs = []
-        if (origin - 1) % g != me:
+        if (origin - 1) % self.g != self.me:
             if any(p[4] for p in pieces):
-                reqs.append(rc.isend(verdicts, dest=right, tag=g + origin))
-            if nbytes(pieces):
-                reqs.append(rc.Isend([slot.buf, nbytes(pieces), MPI.BYTE], dest=right,
-                                     tag=origin))
-        held[origin].append((reqs, slot, _pieces_kept(pieces, verdicts or [], 0, want)))
+                reqs.append(self.rc.isend(verdicts, dest=self.right, tag=self.g + origin))
+            if _nbytes(pieces):
+                reqs.append(self.rc.Isend([slot.buf, _nbytes(pieces), MPI.BYTE],
+                                          dest=self.right, tag=origin))
+        self.held[origin].append((reqs, slot,
+                                  _pieces_kept(pieces, verdicts or [], 0, self.want)))
 
-    def step() -> bool:
+    def step(self) -> bool:
         """Do what can be done now without waiting; whether anything moved."""
-        nonlocal sent
         moved = False
-        while sent < len(mine) and len(held[me]) < share and reader.ready():
-            slot, verdicts = reader.next()
-            pass_on(me, slot, mine[sent], verdicts)
-            sent += 1
+        while (self.sent < len(self.mine) and len(self.held[self.me]) < self.share
+               and self.reader.ready()):
+            slot, verdicts = self.reader.next()
+            self.pass_on(self.me, slot, self.mine[self.sent], verdicts)
+            self.sent += 1
             moved = True
-        for st in streams:
-            while st.next_post < len(st.chunks) and not st.slots.empty():
-                slot = st.slots.get_nowait()
-                n = nbytes(st.chunks[st.next_post])
-                req = rc.Irecv([slot.buf, n, MPI.BYTE], source=left, tag=st.origin) if n else None
-                st.posted.append((st.next_post, slot, req))
-                st.next_post += 1
-            while st.posted and (st.posted[0][2] is None or st.posted[0][2].Test()):
-                r, slot, _ = st.posted.popleft()
-                pieces = st.chunks[r]
-                verdicts = rc.recv(source=left, tag=g + st.origin) \
-                    if any(p[4] for p in pieces) else None
-                pass_on(st.origin, slot, pieces, verdicts)
-                st.received += 1
-                moved = True
-        for q in held.values():
+        for st in self.streams:
+            moved |= self.step_stream(st)
+        for q in self.held.values():
             while q and all(req.Test() for req in q[0][0]):
                 _, slot, kept = q.popleft()
-                sink.submit(slot, kept)
+                self.sink.submit(slot, kept)
                 moved = True
         return moved
 
-    def held_by_writer() -> bool:
+    def step_stream(self, st: _Stream) -> bool:
+        """Post receives for ST into its free slots; pass on what arrived, in round order."""
+        from hpcddp.comm import MPI
+        while st.next_post < len(st.chunks) and not st.slots.empty():
+            slot = st.slots.get_nowait()
+            n = _nbytes(st.chunks[st.next_post])
+            req = (self.rc.Irecv([slot.buf, n, MPI.BYTE], source=self.left, tag=st.origin)
+                   if n else None)
+            st.posted.append((st.next_post, slot, req))
+            st.next_post += 1
+        moved = False
+        while st.posted and (st.posted[0][2] is None or st.posted[0][2].Test()):
+            r, slot, _ = st.posted.popleft()
+            pieces = st.chunks[r]
+            verdicts = (self.rc.recv(source=self.left, tag=self.g + st.origin)
+                        if any(p[4] for p in pieces) else None)
+            self.pass_on(st.origin, slot, pieces, verdicts)
+            st.received += 1
+            moved = True
+        return moved
+
+    def held_by_writer(self) -> bool:
         """Whether nothing can move because every buffer waits for this node's writer: no
         chunk of mine to send and no free slot to receive into while the Sink is behind."""
-        mine_waits = sent == len(mine) or (not reader.ready() and pool.empty())
-        return sink.backlog > 0 and mine_waits and all(
-            st.slots.empty() for st in streams if st.next_post < len(st.chunks))
+        mine_waits = self.sent == len(self.mine) or (not self.reader.ready()
+                                                      and self.pool.empty())
+        return self.sink.backlog > 0 and mine_waits and all(
+            st.slots.empty() for st in self.streams if st.next_post < len(st.chunks))
 
-    def rounds_done() -> int:
+    def rounds_done(self) -> int:
         """Rounds complete here: my chunk sent and every stream's chunk received."""
-        return min([sent if sent < len(mine) else rounds] +
-                   [st.received if not st.done else rounds for st in streams])
+        return min([self.sent if self.sent < len(self.mine) else self.rounds] +
+                   [st.received if not st.done else self.rounds for st in self.streams])
 
-    done = 0
-    entry = watch_begin(gl, "stage:ring")
-    try:
-        while done < rounds or any(held.values()):
-            moved = step()
-            watch_local(entry, None if moved or not held_by_writer()
-                        else "this node's writer thread (every chunk buffer waits to be written)")
-            if not moved:
-                MPI.Request.Testall([q for d in held.values() for e in d for q in e[0]] +
-                                    [e[2] for st in streams for e in st.posted if e[2]])
-                time.sleep(RING_POLL_S)
-            while done < min(rounds_done(), rounds):
-                done += 1
-                watch_end(entry)
-                entry = watch_begin(gl, "stage:ring")
-    finally:
-        watch_end(entry)
-        rc.Free()
+
+def _nbytes(pieces) -> int:
+    return sum(p[3] for p in pieces)
