@@ -68,6 +68,13 @@ def failed_world_ranks(comm) -> list[int]:
         failed.Free()
 
 
+def lost_ranks(comm) -> list[int]:
+    """World ranks of COMM that MPI reported lost, where ULFM is on (elsewhere a lost rank
+    ends the whole job, and nothing is asked)."""
+    from hpcddp.launch.env import fault_tolerant_job
+    return failed_world_ranks(comm) if fault_tolerant_job() else []
+
+
 def ranks_text(ranks) -> str:
     """"rank 3", "ranks 1, 2", or "a rank" when MPI has not said which."""
     ranks = list(ranks)
@@ -103,10 +110,15 @@ def end_process(line: str | None, code: int) -> None:
     from hpcddp.comm import output as _log
     if line:
         _log.log(line)
+    flush_output()
+    time.sleep(OUTPUT_GRACE_S)
+    os._exit(code)
+
+
+def flush_output() -> None:
+    """Flush stdout and stderr before an os._exit (which skips Python's own flush)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
-    time.sleep(OUTPUT_GRACE_S)
-    os._exit(code)

@@ -21,7 +21,7 @@ from hpcddp import settings
 from hpcddp.comm import output as _log
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import Communicator
-from hpcddp.comm.failures import end_process, failed_world_ranks, lost_rank_named, ranks_text
+from hpcddp.comm.failures import end_process, lost_rank_named, lost_ranks, ranks_text
 from hpcddp.comm.topology import Topology, build_topology, emulated_ranks_per_node
 from hpcddp.launch import process
 from hpcddp.launch.torchrun_env import export_after_start
@@ -205,7 +205,7 @@ def finalize() -> None:
         rt, _runtime = _runtime, None
     if rt is None:
         return
-    if _lost_ranks(rt.world.mpi):
+    if lost_ranks(rt.world.mpi):
         return       # MPI_Finalize would wait for them: the exit ends this rank without it
     _drain_async_engine()
     _run_hooks(hpcddp.ON_MPI_FINALIZE)
@@ -225,13 +225,6 @@ def _finalize_at_exit(finalize_mpi: bool = True) -> None:
         MPI.Finalize()
 
 
-def _lost_ranks(comm) -> list[int]:
-    """Ranks of COMM that MPI reported lost (only where ULFM is on: elsewhere a lost rank
-    ends the whole job)."""
-    from hpcddp.launch.env import fault_tolerant_job
-    return failed_world_ranks(comm) if fault_tolerant_job() else []
-
-
 def _end_without_finalize_if_ranks_lost() -> None:
     """Under ULFM, MPI_Finalize after a lost rank waits for it (across nodes: until the job's
     time limit, seen): end this rank with a line naming the lost one(s) instead, exit 1
@@ -239,7 +232,7 @@ def _end_without_finalize_if_ranks_lost() -> None:
     recovered; this one serves start-up, jobs outside elastic mode and scripts that never
     reached elastic.State."""
     rt = _runtime
-    lost = _lost_ranks(rt.world.mpi if rt is not None else MPI.COMM_WORLD)
+    lost = lost_ranks(rt.world.mpi if rt is not None else MPI.COMM_WORLD)
     if not lost:
         return
     code = 1 if getattr(sys, "last_value", None) is not None else 0

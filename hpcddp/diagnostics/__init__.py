@@ -119,12 +119,6 @@ def stop_without_barrier() -> None:
         # its communicator has dead members: dropped, not freed (freeing may synchronise)
 
 
-def _ranks_lost(comm) -> bool:
-    from hpcddp.comm.failures import failed_world_ranks
-    from hpcddp.launch.env import fault_tolerant_job
-    return fault_tolerant_job() and bool(failed_world_ranks(comm))
-
-
 def shutdown_diagnostics() -> None:
     """Wait for every rank to get here, then stop the watchdog and free its communicators.
 
@@ -140,7 +134,8 @@ def shutdown_diagnostics() -> None:
         return
     with _lock:
         wd = _watchdog
-    if wd is not None and _ranks_lost(wd.world.mpi):
+    from hpcddp.comm.failures import lost_ranks
+    if wd is not None and lost_ranks(wd.world.mpi):
         stop_without_barrier()      # the barrier would fail (ULFM) or wait for the dead
         return
     with _lock:

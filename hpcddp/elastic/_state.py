@@ -652,12 +652,8 @@ def _end_rank(line: str | None, code: int) -> None:
 
 
 def _flush_output() -> None:
-    import sys
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
+    from hpcddp.comm.failures import flush_output
+    flush_output()
 
 
 def _stop_on_the_minority_side(new, before: set, hosts: dict) -> None:
