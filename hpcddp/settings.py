@@ -102,6 +102,7 @@ def _whole(minimum: int, what: str) -> Callable[[str, str], int]:
 
 _positive_int = _whole(1, "a positive integer")
 _bytes = _whole(0, "a whole number of bytes >= 0")
+_count = _whole(0, "a whole number >= 0")
 
 
 def _choice(*values: str) -> Callable[[str, str], str]:
@@ -247,6 +248,10 @@ VARS: tuple[Var, ...] = (
     Var("HPCDDP_ELASTIC_REGROW", _flag, False, "1, 0",
         "after a lost rank, spawn a replacement and go on at full size (elastic.State's "
         "regrow=; no free slot: the job goes on smaller)", "elastic.md"),
+    Var("HPCDDP_ELASTIC_SPARES", _count, 0, "count",
+        "the last N processes of the job are spares: they wait inside hpcddp.init and replace "
+        "lost ranks at once (elastic mode grows back onto them; released at the end)",
+        "elastic.md"),
     Var("HPCDDP_ELASTIC_KILL", _text, "", "RANK@STEP[:PHASE],...",
         "fault injection for demos and tests: SIGKILL that rank at that step and phase",
         "elastic.md"),

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import hpcddp
 from hpcddp import settings
 from hpcddp.comm import output as _log
+from hpcddp.comm import spares
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import Communicator
 from hpcddp.comm.failures import end_process, lost_rank_named, lost_ranks, ranks_text
@@ -126,9 +127,18 @@ def _start(thread_level: str) -> Runtime:
                                     MPI.COMM_WORLD.Get_size(), sys.argv)
         _log.set_rank(MPI.COMM_WORLD.Get_rank())
         with lost_rank_named("hpcddp.init", MPI.COMM_WORLD):
-            world = Communicator(MPI.COMM_WORLD.Dup(), "WORLD",
-                                 list(range(MPI.COMM_WORLD.Get_size())))
+            comm = spares.split_off(MPI.COMM_WORLD.Dup(), settings.get().elastic_spares)
         launch_key = launch.local_rank if launch is not None else None
+        if comm == MPI.COMM_NULL:
+            # a spare (HPCDDP_ELASTIC_SPARES): here until it replaces a lost rank, then on
+            # as a spawned replacement goes on; or released at the job's end
+            if launch is not None:
+                process.watch_launcher(say=_log.log)
+            comm, ranks, _me, joined = spares.wait_as_spare()
+            world = Communicator(comm, "WORLD", ranks)
+            launch_key = None
+        else:
+            world = Communicator(comm, "WORLD", list(range(comm.Get_size())))
     _log.set_rank(world.world_ranks[world.rank])
     notes = []
     if stray_warning and world.rank == 0:   # inherited by every rank alike: one line says it
@@ -209,6 +219,7 @@ def finalize() -> None:
         return       # MPI_Finalize would wait for them: the exit ends this rank without it
     _drain_async_engine()
     _run_hooks(hpcddp.ON_MPI_FINALIZE)
+    spares.release(rt.world.rank, finalize=True)
     if rt.we_initialized and MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
 
@@ -218,6 +229,9 @@ def _finalize_at_exit(finalize_mpi: bool = True) -> None:
         return
     if MPI.Is_initialized() and not MPI.Is_finalized():
         _end_without_finalize_if_ranks_lost()
+        rt = _runtime
+        if rt is not None:
+            spares.release(rt.world.rank, finalize=True)
         if not finalize_mpi:
             return
         _drain_async_engine()
@@ -236,6 +250,8 @@ def _end_without_finalize_if_ranks_lost() -> None:
     if not lost:
         return
     code = 1 if getattr(sys, "last_value", None) is not None else 0
+    if rt is not None:
+        spares.release(rt.world.rank, finalize=False)
     end_process(f"hpcddp: {ranks_text(lost)} of the job lost: this rank exits (exit {code}) "
                 f"without MPI_Finalize, which would wait for "
                 f"{'them' if len(lost) > 1 else 'it'}", code)

@@ -161,7 +161,10 @@ class State:
         from hpcddp import settings
         from hpcddp.comm import startup
         self._rt = startup.runtime()
-        self.regrow = settings.get().elastic_regrow if regrow is None else bool(regrow)
+        from hpcddp.comm import spares
+        # spares given (HPCDDP_ELASTIC_SPARES) are there to be used: regrow unless told not to
+        self.regrow = (settings.get().elastic_regrow or spares.configured() if regrow is None
+                       else bool(regrow))
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
         self.sampler = batch_sampler
         self.ddp_kwargs = dict(ddp_kwargs or {})
@@ -457,9 +460,12 @@ class State:
                  f"on {self.size} rank(s): state from rank {src}, the epoch's last "
                  f"{redealt} step(s) dealt over the "
                  f"{'world grown back' if replaced else 'survivors'}")
+        from hpcddp.comm import spares
+        how = ("a spare process on {} (HPCDDP_ELASTIC_SPARES)" if spares.started_with_spares()
+               else "a new process started on {} (MPI_Comm_spawn)")
         for r, host in replaced:
-            _log.log(f"elastic: rank {r} replaced: a new process started on "
-                     f"{host or 'a free slot'} (MPI_Comm_spawn) joined the world")
+            _log.log(f"elastic: rank {r} replaced: {how.format(host or 'a free slot')} joined "
+                     f"the world")
         if no_slot is not None:
             _log.log(f"elastic: {NO_SLOT_LINE} for rank{'s' if len(lost) != 1 else ''} "
                      f"{', '.join(map(str, lost))} ({no_slot[:160]}): the job goes on with "
@@ -483,12 +489,19 @@ class State:
         (hpcddp.comm.spawn): (world, source rank in it, [(rank, host)]), or why not (a str)
         where the launcher has no free slot. Collective over the survivors (SHRUNK)."""
         MPI = _mpi()
+        from hpcddp.comm import spares
         from hpcddp.comm.communicator import translate_to_world
         from hpcddp.comm.spawn import spawn_replacements
         now = translate_to_world(shrunk)
         missing = sorted(self._job_ranks - set(now))
         message = {"source": now[src], "hosts": self._hosts, "job_ranks": sorted(self._job_ranks),
                    "kill_log": _inject.kill_log_path(), "generation": self.generation + 1}
+        if spares.started_with_spares():
+            got = spares.call_spares(shrunk, missing, self.original_rank, message)
+            if got is None:
+                return "every spare process (HPCDDP_ELASTIC_SPARES) is taken"
+            world, ranks, taken = got
+            return world, ranks.index(now[src]), taken
         try:
             with _stuck_after(SPAWN_LIMIT_S, "MPI_Comm_spawn of replacement ranks"):
                 world, ranks, placed = spawn_replacements(shrunk, missing, self._hosts,
@@ -505,12 +518,15 @@ class State:
         os.environ[_inject.ENV_LOG] = joined["kill_log"]
         for fn in self.on_recovery:
             fn(self)
-        _exit_without_finalize(replacement=True)
+        spare = joined.get("spare", False)
+        # a spare is a process of the job's own launch: it ends as the survivors do
+        _exit_without_finalize(replacement=not spare)
         if self.verbose:
             from hpcddp.comm import output as _log
-            _log.log(f"{REPLACEMENT_LINE.format(rank=self.original_rank)} "
-                     f"{socket.gethostname()} and joined the world of {self.size} before step "
-                     f"{self.global_step} (epoch {self.epoch + 1})")
+            line = (SPARE_LINE.format(rank=self.original_rank) if spare
+                    else REPLACEMENT_LINE.format(rank=self.original_rank))
+            _log.log(f"{line} {socket.gethostname()} and joined the world of {self.size} "
+                     f"before step {self.global_step} (epoch {self.epoch + 1})")
 
     def _gather_hosts(self) -> None:
         self._hosts.update(zip(self.world.world_ranks,
@@ -610,6 +626,9 @@ def _ranks_on_nodes(ranks, hosts: dict) -> str:
 MINORITY_EXIT = 1
 # spawn attempts in one recovery (a replacement lost while joining is replaced again)
 MAX_SPAWN_TRIES = 3
+# a spare's line once it took a lost rank's place (the launcher need not read it: a spare is
+# a process of the job's own launch, unlike a spawned replacement)
+SPARE_LINE = "elastic: spare process took rank {rank} on"
 # a replacement imports torch and the user's script before it joins: seconds on a loaded node
 SPAWN_LIMIT_S = 300.0
 # ULFM's shrink returns in well under a second once every lost rank is reported failed. Seen
@@ -735,6 +754,11 @@ def _exit_without_finalize(replacement: bool = False) -> None:
             # still waiting for a node it cannot reach is ended (hpcddp.launch.mpirun)
             _log.log(SURVIVOR_LEFT_LINE.format(rank=world.rank, size=world.size,
                                                code=_exit_code[0]))
+        except Exception:
+            pass
+        try:
+            from hpcddp.comm import spares
+            spares.release(startup.runtime().world.rank, finalize=False)
         except Exception:
             pass
         _flush_output()

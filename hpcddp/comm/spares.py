@@ -1,0 +1,195 @@
+"""Spare processes started with the job, waiting to replace a lost rank (HPCDDP_ELASTIC_SPARES).
+
+A job started as ``mpirun -n N+S`` with ``HPCDDP_ELASTIC_SPARES=S`` trains on its first N
+processes; the last S are spares. Every process duplicates MPI_COMM_WORLD into the *pool*;
+``hpcddp.init`` splits the first N off as hpcddp's world and keeps each spare inside it,
+its imports done, polling the pool for an order (:func:`wait_as_spare`). After a shrink the
+survivors (hpcddp.elastic) call :func:`call_spares`: their rank 0 orders every free spare to
+regroup; survivors and free spares shrink the pool (ULFM: the dead leave it), agree on which
+spare takes which lost start-up rank, and split the new world off, numbered by start-up rank.
+The chosen spares return from ``hpcddp.init`` as a spawned replacement does
+(hpcddp.comm.spawn), with the survivors' join message; the others wait on.
+
+Why not spawn: a spawned process starts Python and imports torch while the survivors wait
+(seconds), and Open MPI's shared-memory transport does not reach it. A spare did all that
+at the job's start.
+
+At the job's end the world's rank 0 releases the free spares (:func:`release`): they finalize
+MPI with the others (whose MPI_Finalize fences over every process of the job), or, after a
+lost rank, exit without it as the survivors do. A spare whose whole job is gone exits too.
+
+Standard library plus mpi4py: no torch.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+import time
+
+from hpcddp.comm import output as _log
+from hpcddp.comm._mpi import MPI
+from hpcddp.comm.communicator import set_world_numbering
+from hpcddp.comm.failures import end_process, is_process_failure
+
+ORDER_TAG = 30_517          # the pool carries nothing but orders to spares
+POLL_S = 0.01               # a waiting spare sleeps between polls: it must not take a core
+WORLD_CHECK_S = 1.0         # how often a waiting spare checks that its job is still there
+
+_pool = None                # every live process of the job (world and free spares), or None
+_members: list = []         # MPI_COMM_WORLD rank of each pool rank
+_free: list = []            # MPI_COMM_WORLD ranks of the free spares, in order
+_me = -1                    # this process's MPI_COMM_WORLD rank
+
+
+def configured() -> bool:
+    """Whether this job was started with spares and some are still free."""
+    return _pool is not None and bool(_free)
+
+
+def started_with_spares() -> bool:
+    """Whether this job was started with spares (all may be taken by now)."""
+    return _pool is not None
+
+
+def split_off(everyone, spares: int):
+    """Collective over EVERYONE (a duplicate of MPI_COMM_WORLD): the world of the first
+    size - SPARES processes, or COMM_NULL on a spare. Without spares, EVERYONE itself."""
+    global _pool, _members, _free, _me
+    size = everyone.Get_size()
+    if spares <= 0:
+        return everyone
+    if spares >= size:
+        raise ValueError(f"hpcddp.init: HPCDDP_ELASTIC_SPARES={spares} leaves no process to "
+                         f"train: the job has {size}; start it with more processes than spares")
+    everyone.Set_errhandler(MPI.ERRORS_RETURN)
+    _pool, _me = everyone, everyone.Get_rank()
+    _members, _free = list(range(size)), list(range(size - spares, size))
+    return everyone.Split(0 if _me < size - spares else MPI.UNDEFINED, _me)
+
+
+def wait_as_spare():
+    """A spare's life: wait for orders until chosen -> (world communicator, its start-up
+    ranks, this process's start-up rank, the join message); released: this process ends."""
+    _log.log("hpcddp: spare process (HPCDDP_ELASTIC_SPARES): waits to replace a lost rank")
+    _warm_up()
+    while True:
+        order = _next_order()
+        if order["what"] == "release":
+            _leave(order["finalize"])
+        joined = _regroup(None, [], None)
+        if joined is not None:
+            return joined
+
+
+def call_spares(shrunk, missing: list, start_up_rank: int, message: dict):
+    """Collective over SHRUNK (the survivors): free spares take the start-up ranks in MISSING.
+    -> (world communicator, its start-up ranks, [(start-up rank, host)] of those taken), or
+    None where no spare is free. Raises MPI.Exception when a process is lost meanwhile."""
+    if not _free:
+        return None
+    if shrunk.Get_rank() == 0:
+        for spare in _free:
+            try:
+                _pool.send({"what": "join"}, dest=_members.index(spare), tag=ORDER_TAG)
+            except MPI.Exception:
+                pass              # a dead spare: the pool's shrink leaves it out
+    world, ranks, _mine, joined = _regroup(start_up_rank, missing,
+                                           message if shrunk.Get_rank() == 0 else None)
+    return world, ranks, joined["taken"]
+
+
+def release(world_rank: int, finalize: bool) -> None:
+    """At the job's end, the world's rank 0 (WORLD_RANK) lets the free spares go: they
+    MPI_Finalize with everyone (FINALIZE), or exit without it after a lost rank."""
+    global _free
+    if _pool is None or world_rank != 0:
+        return
+    for spare in _free:
+        try:
+            _pool.send({"what": "release", "finalize": finalize}, dest=_members.index(spare),
+                       tag=ORDER_TAG)
+        except MPI.Exception:
+            pass
+    _free = []
+
+
+def _regroup(start_up_rank, missing: list, message):
+    """Collective over the live pool: survivors (START_UP_RANK set; the leader with MESSAGE
+    and MISSING) and free spares (None) shrink it, a free spare per missing rank joins.
+    -> (world, start-up ranks, this process's start-up rank, the join message: the leader's
+    MESSAGE with "lost", "taken" [(start-up rank, host)] and "spare") for the new world's
+    members, None for a spare left free."""
+    global _pool, _members, _free
+    pool = _pool.Shrink()
+    pool.Set_errhandler(MPI.ERRORS_RETURN)
+    info = pool.allgather((_me, start_up_rank, missing, message, socket.gethostname()))
+    _pool, _members = pool, [launch for launch, *_ in info]
+    spares = [launch for launch, rank, *_ in info if rank is None and launch in _free]
+    missing = next(m for _, rank, m, msg, _ in info if msg is not None)
+    message = next(msg for *_, msg, _ in info if msg is not None)
+    chosen = dict(zip(spares, missing))             # spare's launch rank -> start-up rank
+    _free = [s for s in spares if s not in chosen]
+    mine = start_up_rank if start_up_rank is not None else chosen.get(_me)
+    world = pool.Split(MPI.UNDEFINED if mine is None else 0, mine or 0)
+    if mine is None:
+        return None
+    world.Set_errhandler(MPI.ERRORS_RETURN)
+    ranks = world.allgather(mine)
+    set_world_numbering(world, ranks)
+    hosts = {launch: host for launch, *_, host in info}
+    taken = [(rank, hosts[launch]) for launch, rank in chosen.items()]
+    return world, ranks, mine, dict(message, lost=list(missing), taken=taken, spare=True)
+
+
+def _next_order() -> dict:
+    """Poll the pool for an order, sleeping between polls; end this process if every rank
+    of its job is gone (nobody left to release it)."""
+    req = _pool.irecv(source=MPI.ANY_SOURCE, tag=ORDER_TAG)
+    checked = time.monotonic()
+    while True:
+        try:
+            done, order = req.test()
+        except MPI.Exception as exc:       # ULFM: a process failed while the receive waited
+            if not is_process_failure(exc):
+                raise
+            done, order = False, None
+        if done:
+            return order
+        if time.monotonic() - checked > WORLD_CHECK_S:
+            checked = time.monotonic()
+            if _job_gone():
+                end_process("hpcddp: spare process: every rank of its job is gone: it exits", 1)
+        time.sleep(POLL_S)
+
+
+def _job_gone() -> bool:
+    try:
+        failed = _pool.Get_failed()
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        return False
+    try:
+        if failed.Get_size() == 0:
+            return False
+        pool_ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())),
+                                               _pool.Get_group())
+    finally:
+        failed.Free()
+    dead = {_members[r] for r in pool_ranks if r != MPI.UNDEFINED}
+    return set(_members) - set(_free) - {_me} <= dead
+
+
+def _leave(finalize: bool) -> None:
+    _log.log("hpcddp: spare process not needed: released at the job's end")
+    if finalize and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+    end_process(None, 0)
+
+
+def _warm_up() -> None:
+    """Import now what a replacement's first optimizer would (torch._dynamo: seconds), while
+    nothing waits for it. Only where the script imported torch before hpcddp.init."""
+    if "torch" in sys.modules:
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception:
+            pass
