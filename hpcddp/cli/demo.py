@@ -31,6 +31,7 @@ With --elastic the job survives lost ranks (mpirun --with-ft ulfm; docs/elastic.
 
     hpcddp demo --elastic --nprocs 3 --kill-rank 1 --kill-step 100
     hpcddp demo --elastic --regrow --nprocs 4 --kill-rank 2 --kill-step 100   # back to 4
+    hpcddp demo --elastic --spares 1 --nprocs 4 --kill-rank 2 --kill-step 100 # at once
 
 Expect held-out accuracy of about 0.98 (0.9861 with the default seed) in under a minute on
 2 cores. The same seed and global batch give the same final parameters on any number of
@@ -109,7 +110,9 @@ def launch(cfg, *, nprocs: int, ranks_per_node=None, timeout: float = 600.0) -> 
         # a replacement rank (--regrow) needs a free slot: on this one machine, one more
         # process than the ranks (mpirun_command oversubscribes beyond the cores anyway)
         extra = ["--oversubscribe"] if cfg.regrow and nprocs <= (os.cpu_count() or 1) else []
-        cmd = mpirun_command(nprocs, argv, fault_tolerant=cfg.elastic, extra=extra)
+        if cfg.spares:       # the spares run beside the ranks, waiting in hpcddp.init
+            env["HPCDDP_ELASTIC_SPARES"] = str(cfg.spares)
+        cmd = mpirun_command(nprocs + cfg.spares, argv, fault_tolerant=cfg.elastic, extra=extra)
     except FileNotFoundError as exc:
         print(f"hpcddp demo: {exc}", file=sys.stderr)
         return 2

@@ -23,7 +23,6 @@ Standard library plus mpi4py: no torch.
 from __future__ import annotations
 
 import socket
-import sys
 import time
 
 from hpcddp.comm import output as _log
@@ -186,10 +185,10 @@ def _leave(finalize: bool) -> None:
 
 
 def _warm_up() -> None:
-    """Import now what a replacement's first optimizer would (torch._dynamo: seconds), while
-    nothing waits for it. Only where the script imported torch before hpcddp.init."""
-    if "torch" in sys.modules:
-        try:
-            import torch._dynamo  # noqa: F401
-        except Exception:
-            pass
+    """Import now what a replacement would import once it joins (torch, and torch._dynamo,
+    which the first optimizer or DDP imports: seconds together), while nothing waits for it.
+    Spares serve elastic training, which runs on torch."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:
+        pass

@@ -47,6 +47,7 @@ class DemoConfig:
     results: str = ""
     elastic: bool = False
     regrow: bool = False
+    spares: int = 0
     kill_rank: int | None = None
     kill_step: int | None = None
     kill_phase: str = "backward"
@@ -88,6 +89,9 @@ class DemoConfig:
         if self.regrow and not self.elastic:
             bad("--regrow", "used with --elastic (it replaces the ranks elastic mode lost)",
                 self.regrow)
+        if self.spares < 0 or (self.spares and not self.elastic):
+            bad("--spares", "an int >= 0, used with --elastic (spare processes replace the "
+                "ranks elastic mode lost)", self.spares)
         if self.kill_phase not in KILL_PHASES:
             bad("--kill-phase", f"one of {list(KILL_PHASES)}", self.kill_phase)
         if self.elastic and self.backend != "hpcddp":
@@ -193,6 +197,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--regrow", action="store_true",
                    help="with --elastic: after a loss, start a replacement rank (MPI_Comm_spawn) "
                         "and go on at full size; without a free slot the job goes on smaller")
+    g.add_argument("--spares", type=int, default=d.spares, metavar="S",
+                   help="with --elastic: start S spare processes beside the ranks "
+                        "(HPCDDP_ELASTIC_SPARES): a lost rank is replaced at once by a spare, "
+                        "not by a process started after the loss as --regrow does")
     g.add_argument("--kill-rank", type=int, default=d.kill_rank, metavar="R",
                    help="with --elastic: rank R SIGKILLs itself at step --kill-step (a failure "
                         "to watch the job survive)")

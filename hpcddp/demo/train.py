@@ -242,7 +242,7 @@ def _setup_training(cfg: DemoConfig, phases, staged: dict, workdir: str, global_
             ckpt._sync = type(ckpt._sync)(st.world)
         run.state = elastic.State(model, opt, run.sampler, scheduler=sched,
                                   on_recovery=[after_recovery], fault_injection=kill,
-                                  regrow=cfg.regrow)
+                                  regrow=cfg.regrow or None)    # None: spares given
         run.ddp = run.state.model
     else:
         run.ddp = DDP(model)
@@ -395,7 +395,8 @@ def _elastic_lines(state, started: int) -> list[str]:
         for r, host in rec.replaced:
             kill = "" if rec.kill_to_full_size_s is None else \
                 f", kill -> full size {rec.kill_to_full_size_s:.2f} s"
-            out.append(f"[elastic] rank {r} replaced by a new process on {host or 'a free slot'}: "
+            by = "a spare process" if rec.from_spares else "a new process"
+            out.append(f"[elastic] rank {r} replaced by {by} on {host or 'a free slot'}: "
                        f"failure seen -> full size {rec.detect_to_full_size_s:.2f} s{kill}")
         if rec.no_slot:
             out.append(f"[elastic] no free slot for a replacement: went on with "

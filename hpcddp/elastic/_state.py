@@ -143,9 +143,13 @@ class State:
             demos; hpcddp.elastic._inject). Default: HPCDDP_ELASTIC_KILL.
         regrow: after a loss, spawn a replacement for each lost rank and go on at full size
             (docs/elastic.md, "Growing back"); where the launcher has no free slot the job goes
-            on smaller. Default: HPCDDP_ELASTIC_REGROW (off). A replacement runs the job's
-            command line from the top and joins the survivors in this constructor: before
-            it, a regrowing script makes no collective call but ``init_process_group``.
+            on smaller. Where the job was started with spare processes
+            (HPCDDP_ELASTIC_SPARES), a spare takes the lost rank's place at once, nothing is
+            spawned, and regrow is on unless False is given. Default: HPCDDP_ELASTIC_REGROW
+            (off). A replacement (spawned, or a spare returning from ``hpcddp.init``) runs
+            the job's script on from ``init`` and joins the survivors in this constructor:
+            before it, a regrowing script makes no collective call but
+            ``init_process_group``.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer, batch_sampler: ElasticBatchSampler,
@@ -381,6 +385,7 @@ class State:
                        position=self.pos, steps_redealt=redealt, source_rank=src,
                        seconds=seconds, phases=phases, detected_at=detected,
                        cause=repr(cause)[:200], replaced=replaced, no_slot=no_slot,
+                       from_spares=bool(replaced) and _started_with_spares(),
                        detect_to_full_size_s=(time.time() - detected if full and replaced
                                               else None),
                        kill_to_full_size_s=(time.time() - t_kill if full and replaced
@@ -460,8 +465,7 @@ class State:
                  f"on {self.size} rank(s): state from rank {src}, the epoch's last "
                  f"{redealt} step(s) dealt over the "
                  f"{'world grown back' if replaced else 'survivors'}")
-        from hpcddp.comm import spares
-        how = ("a spare process on {} (HPCDDP_ELASTIC_SPARES)" if spares.started_with_spares()
+        how = ("a spare process on {} (HPCDDP_ELASTIC_SPARES)" if rec.from_spares
                else "a new process started on {} (MPI_Comm_spawn)")
         for r, host in replaced:
             _log.log(f"elastic: rank {r} replaced: {how.format(host or 'a free slot')} joined "
@@ -496,7 +500,7 @@ class State:
         missing = sorted(self._job_ranks - set(now))
         message = {"source": now[src], "hosts": self._hosts, "job_ranks": sorted(self._job_ranks),
                    "kill_log": _inject.kill_log_path(), "generation": self.generation + 1}
-        if spares.started_with_spares():
+        if _started_with_spares():
             got = spares.call_spares(shrunk, missing, self.original_rank, message)
             if got is None:
                 return "every spare process (HPCDDP_ELASTIC_SPARES) is taken"
@@ -615,6 +619,11 @@ def holds_majority(before: set, after: set, hosts: dict) -> bool:
     voters = after | unsure
     return 2 * len(after) > len(voters) or (2 * len(after) == len(voters)
                                             and min(voters) in after)
+
+
+def _started_with_spares() -> bool:
+    from hpcddp.comm import spares      # hpcddp.comm starts MPI: imported when it runs
+    return spares.started_with_spares()
 
 
 def _ranks_on_nodes(ranks, hosts: dict) -> str:
