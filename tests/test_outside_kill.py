@@ -179,6 +179,60 @@ def test_demo_regrow_after_a_rank_killed_from_outside(tmp_path):
                      r"seen -> full size \d", out), out[-3000:]
 
 
+def test_demo_spare_takes_the_place_of_a_rank_killed_from_outside(tmp_path):
+    """`hpcddp demo --elastic --spares 1` at 4 ranks (5 processes), rank 2 SIGKILLed from
+    this process in epoch 4: the spare joins at once (no process is started after the
+    loss), the job ends at 4 ranks, exit 0, accuracy >= 0.95; from the kill to the line
+    saying the job is whole again, under the issue's 3 s."""
+    job = Job(0, [], outfile=tmp_path / "out.txt", timeout=WALL, env=_env(),
+              cmd=[sys.executable, "-m", "hpcddp", "demo", "--elastic", "--spares", "1",
+                   "--nprocs", "4", "--workdir", str(tmp_path / "w"),
+                   "--stage-dest", str(tmp_path / "local" / "node{node}"),
+                   "--results", str(tmp_path / "r.json")])
+    try:
+        job.wait_for(r"\[train\] epoch  3/")
+        job.kill_rank(2)
+        killed = time.monotonic()
+        job.wait_for(r"elastic: back to full size \(4 ranks\)", within=30)
+        whole = time.monotonic() - killed
+    except AssertionError:
+        job.cleanup()
+        raise
+    rc, out, _ = _ended_cleanly(job)
+    print(f"kill -> the full-size line {whole:.2f} s")
+    assert rc == 0, out[-4000:]
+    assert whole < 3, out[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["world_size"] == 4 and r["accuracy"] >= 0.95, r
+    rec = r["elastic"]["recoveries"][0]
+    assert [x[0] for x in rec["replaced"]] == [2] and rec["from_spares"], rec
+    assert "[rank2] elastic: spare process took rank 2 on" in out, out[-3000:]
+    assert re.search(r"\[rank0\] \[elastic\] rank 2 replaced by a spare process on \S+", out)
+    assert "MPI_Comm_spawn" not in out
+
+
+def test_demo_spare_killed_from_outside_while_it_waits(tmp_path):
+    """The spare of `hpcddp demo --elastic --spares 1` (the job's process 4) SIGKILLed while
+    it waits: the 4 ranks train to the end and leave without MPI_Finalize (which would wait
+    for the dead spare), exit 0, saying which process was lost; nothing left running."""
+    job = Job(0, [], outfile=tmp_path / "out.txt", timeout=WALL, env=_env(),
+              cmd=[sys.executable, "-m", "hpcddp", "demo", "--elastic", "--spares", "1",
+                   "--nprocs", "4", "--workdir", str(tmp_path / "w"),
+                   "--stage-dest", str(tmp_path / "local" / "node{node}"),
+                   "--results", str(tmp_path / "r.json")])
+    try:
+        job.wait_for(r"\[train\] epoch  3/")
+    except AssertionError:
+        job.cleanup()
+        raise
+    job.kill_rank(4)
+    rc, out, after_kill = _ended_cleanly(job)
+    assert rc == 0, out[-4000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["world_size"] == 4 and r["accuracy"] >= 0.95 and not r["elastic"]["lost_ranks"], r
+    assert "spare process 4 of the launch lost" in out, out[-3000:]
+
+
 def _cli(tmp, nprocs, hold, target, argv, **env):
     return Job(nprocs, [sys.executable, HOLD, f"hold:{hold}", str(target), *argv],
                outfile=tmp / "out.txt", timeout=WALL, env=_env(**env))

@@ -97,6 +97,14 @@ def call_spares(shrunk, missing: list, start_up_rank: int, message: dict):
     return world, ranks, joined["taken"]
 
 
+def lost_spares() -> list[int]:
+    """MPI_COMM_WORLD ranks of the free spares MPI reported failed (ULFM): the job's
+    MPI_Finalize would wait for them, as for a lost rank."""
+    if not _free:
+        return []
+    return sorted(set(_failed_members()) & set(_free))
+
+
 def release(world_rank: int, finalize: bool) -> None:
     """At the job's end, the world's rank 0 (WORLD_RANK) lets the free spares go: they
     MPI_Finalize with everyone (FINALIZE), or exit without it after a lost rank."""
@@ -151,6 +159,9 @@ def _next_order() -> dict:
         except MPI.Exception as exc:       # ULFM: a process failed while the receive waited
             if not is_process_failure(exc):
                 raise
+            # the receive from any source stays pending, but matches nothing until the
+            # failures are acknowledged (seen: a spare missed its order for good)
+            _pool.Ack_failed()
             done, order = False, None
         if done:
             return order
@@ -162,19 +173,23 @@ def _next_order() -> dict:
 
 
 def _job_gone() -> bool:
+    return set(_members) - set(_free) - {_me} <= set(_failed_members())
+
+
+def _failed_members() -> list[int]:
+    """MPI_COMM_WORLD ranks of the pool's processes known here to have failed."""
     try:
         failed = _pool.Get_failed()
     except (MPI.Exception, NotImplementedError, AttributeError):
-        return False
+        return []
     try:
         if failed.Get_size() == 0:
-            return False
+            return []
         pool_ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())),
                                                _pool.Get_group())
     finally:
         failed.Free()
-    dead = {_members[r] for r in pool_ranks if r != MPI.UNDEFINED}
-    return set(_members) - set(_free) - {_me} <= dead
+    return [_members[r] for r in pool_ranks if r != MPI.UNDEFINED]
 
 
 def _leave(finalize: bool) -> None:

@@ -215,7 +215,7 @@ def finalize() -> None:
         rt, _runtime = _runtime, None
     if rt is None:
         return
-    if lost_ranks(rt.world.mpi):
+    if lost_ranks(rt.world.mpi) or spares.lost_spares():
         return       # MPI_Finalize would wait for them: the exit ends this rank without it
     _drain_async_engine()
     _run_hooks(hpcddp.ON_MPI_FINALIZE)
@@ -242,19 +242,24 @@ def _finalize_at_exit(finalize_mpi: bool = True) -> None:
 def _end_without_finalize_if_ranks_lost() -> None:
     """Under ULFM, MPI_Finalize after a lost rank waits for it (across nodes: until the job's
     time limit, seen): end this rank with a line naming the lost one(s) instead, exit 1
-    after an uncaught exception, else 0. hpcddp.elastic installs its own exit once it
-    recovered; this one serves start-up, jobs outside elastic mode and scripts that never
-    reached elastic.State."""
+    after an uncaught exception, else 0. The same for a lost spare process (the others
+    trained on: no rank was lost). hpcddp.elastic installs its own exit once it recovered;
+    this one serves start-up, jobs outside elastic mode and scripts that never reached
+    elastic.State."""
     rt = _runtime
     lost = lost_ranks(rt.world.mpi if rt is not None else MPI.COMM_WORLD)
-    if not lost:
+    lost_spares = spares.lost_spares() if not lost else []
+    if not lost and not lost_spares:
         return
     code = 1 if getattr(sys, "last_value", None) is not None else 0
     if rt is not None:
         spares.release(rt.world.rank, finalize=False)
-    end_process(f"hpcddp: {ranks_text(lost)} of the job lost: this rank exits (exit {code}) "
-                f"without MPI_Finalize, which would wait for "
-                f"{'them' if len(lost) > 1 else 'it'}", code)
+    who = (ranks_text(lost) + " of the job" if lost else
+           f"spare process{'es' if len(lost_spares) > 1 else ''} "
+           f"{', '.join(map(str, lost_spares))} of the launch")
+    them = "them" if len(lost or lost_spares) > 1 else "it"
+    end_process(f"hpcddp: {who} lost: this rank exits (exit {code}) without MPI_Finalize, "
+                f"which would wait for {them}", code)
 
 
 def _drain_async_engine() -> None:

@@ -501,7 +501,8 @@ class State:
         message = {"source": now[src], "hosts": self._hosts, "job_ranks": sorted(self._job_ranks),
                    "kill_log": _inject.kill_log_path(), "generation": self.generation + 1}
         if _started_with_spares():
-            got = spares.call_spares(shrunk, missing, self.original_rank, message)
+            with _stuck_after(SHRINK_LIMIT_S, "the regroup with the spare processes"):
+                got = spares.call_spares(shrunk, missing, self.original_rank, message)
             if got is None:
                 return "every spare process (HPCDDP_ELASTIC_SPARES) is taken"
             world, ranks, taken = got
