@@ -76,9 +76,9 @@ def test_elastic_job_under_slurm(slurm, tmp_path):
 @needs_ulfm
 def test_elastic_job_grows_back_under_slurm(slurm, tmp_path):
     """The same template with spares=1 (`hpcddp submit multi-node-ddp --elastic --spares 1`):
-    3 ranks in 4 task slots; rank 1 is replaced by a spawned process and the job ends
+    3 ranks and a spare process in 4 tasks; the spare takes rank 1's place and the job ends
     COMPLETED at 3 ranks, all three holding the same parameters."""
     log = run_batch(tmp_path, batch(tmp_path, spares=1))
-    assert "[rank1] elastic: replacement for rank 1 started on" in log, log[-3000:]
+    assert "[rank1] elastic: spare process took rank 1 on" in log, log[-3000:]
     finals = [json.loads((tmp_path / f"final.{r}.json").read_text()) for r in (0, 1, 2)]
     assert all(f["params"] == finals[0]["params"] and f["size"] == 3 for f in finals), log[-3000:]

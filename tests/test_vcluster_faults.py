@@ -345,19 +345,28 @@ def test_elastic_job_survives_a_rank_killed_from_outside(healed, tmp_path):
         assert not node_processes(NAME, node, (ELASTIC_JOB.name, "prte")), node
 
 
-def test_elastic_job_grows_back_onto_a_spare_node(healed, tmp_path):
-    """3 ranks on node1-3, node4 a spare slot (`--host node1:1,...,node4:1 -n 3`), grow-back
-    on: node3 loses its link, ranks 0 and 1 (a majority) recover, and rank 2's replacement
-    starts on node4; the job ends at 3 ranks, status 0, parameters equal, nothing left."""
+@pytest.mark.parametrize("how", ["spawn", "spare"])
+def test_elastic_job_grows_back_onto_a_spare_node(healed, tmp_path, how):
+    """3 ranks on node1-3, node4 spare: a free slot (`--host node1:1,...,node4:1 -n 3`,
+    HPCDDP_ELASTIC_REGROW=1: a replacement is spawned there) or a spare process started with
+    the job (`-n 4`, HPCDDP_ELASTIC_SPARES=1). node3 loses its link, ranks 0 and 1 (a
+    majority) recover, and rank 2's replacement joins from node4; the job ends at 3 ranks,
+    status 0, parameters equal, nothing left."""
     cmd = launch_on_nodes(4, ulfm=True, grace=10)
-    cmd[cmd.index("-n") + 1] = "3"
-    cmd += ["-x", "HPCDDP_ELASTIC_REGROW=1", sys.executable, str(ELASTIC_JOB), str(tmp_path), "30"]
+    if how == "spawn":
+        cmd[cmd.index("-n") + 1] = "3"
+        cmd += ["-x", "HPCDDP_ELASTIC_REGROW=1"]
+        joined = "[rank2] elastic: replacement for rank 2 started on node4"
+    else:
+        cmd += ["-x", "HPCDDP_ELASTIC_SPARES=1"]
+        joined = "[rank2] elastic: spare process took rank 2 on node4"
+    cmd += [sys.executable, str(ELASTIC_JOB), str(tmp_path), "30"]
     proc, out = start_then_fault(cmd, _vc_env(NAME, SUBNET), ["cut", "node3"])
     rest, _ = proc.communicate(timeout=400)
     out = "".join(out) + rest
     assert proc.returncode == 0, out[-6000:]
     assert "lost rank 2 on node3" in out, out[-6000:]
-    assert "[rank2] elastic: replacement for rank 2 started on node4" in out, out[-6000:]
+    assert joined in out, out[-6000:]
     final = survivors(tmp_path)
     assert [(f["rank"], f["host"], f["size"]) for f in final] == [
         (0, "node1", 3), (1, "node2", 3), (2, "node4", 3)], out[-6000:]

@@ -41,8 +41,9 @@ FLAGS = {
                                             "(default 3; 0: never)"),
     "--elastic": ("elastic", "bool", "survive a lost rank: the script uses hpcddp.elastic and "
                                      "runs under mpirun --with-ft ulfm (docs/elastic.md)"),
-    "--spares": ("spares", int, "with --elastic: task slots left free for replacement ranks "
-                                "(lost ranks are replaced; default 0: the job goes on smaller)"),
+    "--spares": ("spares", int, "with --elastic: the last N tasks run as spare processes that "
+                                "take lost ranks' places at once (default 0: the job goes on "
+                                "smaller)"),
     "--stage-src": ("stage_src", str, "stage-then-train: data set on the shared filesystem"),
     "--stage-dest": ("stage_dest", str, "stage-then-train: node-local destination "
                                         "(default $SCRATCH/data)"),

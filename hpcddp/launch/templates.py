@@ -65,9 +65,9 @@ OPTIONS: dict[str, Option] = {
     "elastic": Option("bool", "survive a lost rank (hpcddp.elastic, ULFM): the training step "
                               "runs under `mpirun --with-ft ulfm` in the allocation, since "
                               "Slurm ends an srun step when one of its tasks dies", False),
-    "spares": Option("int0", "with elastic: task slots of the allocation left free for "
-                             "replacement ranks; > 0 runs SLURM_NTASKS - spares ranks and "
-                             "replaces each lost one (HPCDDP_ELASTIC_REGROW=1)", 0),
+    "spares": Option("int0", "with elastic: the allocation's last tasks run as spare "
+                             "processes (HPCDDP_ELASTIC_SPARES): SLURM_NTASKS - spares ranks "
+                             "train, and a spare takes each lost rank's place at once", 0),
     "stage_src": Option("shellpath", "data set on the shared filesystem to stage "
                                      "(shell variables allowed)", "$SLURM_SUBMIT_DIR/data"),
     "stage_dest": Option("shellpath", "where the staged copy goes on each node "
@@ -437,17 +437,17 @@ _TRAIN_ELASTIC = """\
 # survivors go on (MPICH: mpiexec -disable-auto-cleanup). `hpcddp launch`: mpirun ends, and
 # says so, also when a node drops off the network (docs/hangs.md).
 @SPARES@echo "[job] $(date +%T) training (elastic): $SCRIPT ${ARGS[*]}"
-run_step hpcddp launch -- mpirun --with-ft ulfm -n "$((SLURM_NTASKS - SPARES))" \\
+run_step hpcddp launch -- mpirun --with-ft ulfm -n "$SLURM_NTASKS" \\
     --map-by "ppr:${SLURM_NTASKS_PER_NODE}:node" python "$SCRIPT" "${ARGS[@]}"
 echo "[job] $(date +%T) done"
 """
 
 _SPARES = """\
-# Grow back (docs/elastic.md, "Growing back"): the last SPARES task slots of the allocation stay
-# free, and each lost rank is replaced (MPI_Comm_spawn) on its own node while that node is up
-# and has room, else on a free slot; without one the job goes on smaller, saying so.
-SPARES=@N@
-export HPCDDP_ELASTIC_REGROW=1
+# Grow back (docs/elastic.md, "Spare processes"): the last @N@ task(s) of the allocation run as
+# spare processes. They start with the job, wait inside hpcddp.init, and each takes a lost
+# rank's place at once (nothing is started after the loss); the ranks number SLURM_NTASKS - @N@.
+# Once every spare is taken, the job goes on smaller, saying so.
+export HPCDDP_ELASTIC_SPARES=@N@
 """
 
 _CPU_NOTE = """\
@@ -508,7 +508,7 @@ def render(template: str, **options) -> str:
         "@CKPTDIR@": ("$SLURM_SUBMIT_DIR/checkpoints/${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"
                       if array else "$SLURM_SUBMIT_DIR/checkpoints/$SLURM_JOB_ID"),
         "@COPYDIR@": _COPY_DIR,
-        "@SPARES@": _SPARES.replace("@N@", str(v["spares"])) if v["spares"] else "SPARES=0\n",
+        "@SPARES@": _SPARES.replace("@N@", str(v["spares"])) if v["spares"] else "",
     }
     text = _HEADER
     body = ""

@@ -349,8 +349,8 @@ def test_elastic_option_trains_under_mpirun_with_ulfm(name, tmp_path):
     plain, elastic = render(name), render(name, elastic=True)
     assert "--with-ft ulfm" not in plain and "hpcddp run" in plain
     train = elastic[elastic.index("# Train, surviving a lost rank"):]
-    assert 'run_step hpcddp launch -- mpirun --with-ft ulfm -n "$((SLURM_NTASKS - SPARES))"' in train
-    assert "SPARES=0\n" in train and "HPCDDP_ELASTIC_REGROW" not in train
+    assert 'run_step hpcddp launch -- mpirun --with-ft ulfm -n "$SLURM_NTASKS"' in train
+    assert "HPCDDP_ELASTIC_SPARES" not in train and "HPCDDP_ELASTIC_REGROW" not in train
     assert "srun" not in train.split("# survivors go on")[-1]     # the step itself: no srun
     assert render(name, elastic="yes") == elastic and render(name, elastic=0) == plain
     script = tmp_path / "job.sbatch"
@@ -361,11 +361,13 @@ def test_elastic_option_trains_under_mpirun_with_ulfm(name, tmp_path):
         render(name, elastic="maybe")
 
 
-def test_spares_leave_slots_for_replacements(tmp_path):
-    """spares=N (elastic grow-back): N task slots stay free, lost ranks are replaced."""
+def test_spares_run_as_spare_processes(tmp_path):
+    """spares=N (elastic grow-back): every task starts, the last N as spare processes."""
     text = render("multi-node-ddp", elastic=True, spares=1, nodes=2, tasks_per_node=2)
     train = text[text.index("# Train, surviving a lost rank"):]
-    assert "SPARES=1\nexport HPCDDP_ELASTIC_REGROW=1\n" in train
+    assert "export HPCDDP_ELASTIC_SPARES=1\n" in train
+    assert 'mpirun --with-ft ulfm -n "$SLURM_NTASKS"' in train
+    assert "SPARES" not in render("multi-node-ddp", elastic=True, nodes=2)
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
