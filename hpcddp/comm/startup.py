@@ -128,7 +128,10 @@ def _start(thread_level: str) -> Runtime:
         _log.set_rank(MPI.COMM_WORLD.Get_rank())
         with lost_rank_named("hpcddp.init", MPI.COMM_WORLD):
             comm = spares.split_off(MPI.COMM_WORLD.Dup(), settings.get().elastic_spares)
-        launch_key = launch.local_rank if launch is not None else None
+        # the launcher numbers the spares among the ranks of a node: its local rank is not
+        # the world's there
+        launch_key = (launch.local_rank if launch is not None
+                      and not spares.started_with_spares() else None)
         if comm == MPI.COMM_NULL:
             # a spare (HPCDDP_ELASTIC_SPARES): here until it replaces a lost rank, then on
             # as a spawned replacement goes on; or released at the job's end
