@@ -179,16 +179,21 @@ def test_demo_regrow_after_a_rank_killed_from_outside(tmp_path):
                      r"seen -> full size \d", out), out[-3000:]
 
 
+def _demo_with_a_spare(tmp_path) -> Job:
+    """`hpcddp demo --elastic --spares 1` at 4 ranks (5 processes), started."""
+    return Job(0, [], outfile=tmp_path / "out.txt", timeout=WALL, env=_env(),
+               cmd=[sys.executable, "-m", "hpcddp", "demo", "--elastic", "--spares", "1",
+                    "--nprocs", "4", "--workdir", str(tmp_path / "w"),
+                    "--stage-dest", str(tmp_path / "local" / "node{node}"),
+                    "--results", str(tmp_path / "r.json")])
+
+
 def test_demo_spare_takes_the_place_of_a_rank_killed_from_outside(tmp_path):
     """`hpcddp demo --elastic --spares 1` at 4 ranks (5 processes), rank 2 SIGKILLed from
     this process in epoch 4: the spare joins at once (no process is started after the
     loss), the job ends at 4 ranks, exit 0, accuracy >= 0.95; from the kill to the line
     saying the job is whole again, under the issue's 3 s."""
-    job = Job(0, [], outfile=tmp_path / "out.txt", timeout=WALL, env=_env(),
-              cmd=[sys.executable, "-m", "hpcddp", "demo", "--elastic", "--spares", "1",
-                   "--nprocs", "4", "--workdir", str(tmp_path / "w"),
-                   "--stage-dest", str(tmp_path / "local" / "node{node}"),
-                   "--results", str(tmp_path / "r.json")])
+    job = _demo_with_a_spare(tmp_path)
     try:
         job.wait_for(r"\[train\] epoch  3/")
         job.kill_rank(2)
@@ -215,11 +220,7 @@ def test_demo_spare_killed_from_outside_while_it_waits(tmp_path):
     """The spare of `hpcddp demo --elastic --spares 1` (the job's process 4) SIGKILLed while
     it waits: the 4 ranks train to the end and leave without MPI_Finalize (which would wait
     for the dead spare), exit 0, saying which process was lost; nothing left running."""
-    job = Job(0, [], outfile=tmp_path / "out.txt", timeout=WALL, env=_env(),
-              cmd=[sys.executable, "-m", "hpcddp", "demo", "--elastic", "--spares", "1",
-                   "--nprocs", "4", "--workdir", str(tmp_path / "w"),
-                   "--stage-dest", str(tmp_path / "local" / "node{node}"),
-                   "--results", str(tmp_path / "r.json")])
+    job = _demo_with_a_spare(tmp_path)
     try:
         job.wait_for(r"\[train\] epoch  3/")
     except AssertionError:
