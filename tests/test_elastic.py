@@ -277,6 +277,9 @@ def test_spares(tmp_path, nprocs, spares, kill):
     assert all(rec["kill_to_full_size_s"] < 3 for rec in recs if rec["kill_to_full_size_s"]), recs
     left = spares - len(killed)
     assert out.count("spare process not needed: released at the job's end") == left, out[-3000:]
+    # one node: each process would hold a GPU of its own (a spare, the one after the ranks')
+    devices = [f["device_index"] for f in finals.values()]
+    assert len(set(devices)) == nprocs, devices
 
 
 @needs_ulfm

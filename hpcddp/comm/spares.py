@@ -38,11 +38,19 @@ _pool = None                # every live process of the job (world and free spar
 _members: list = []         # MPI_COMM_WORLD rank of each pool rank
 _free: list = []            # MPI_COMM_WORLD ranks of the free spares, in order
 _me = -1                    # this process's MPI_COMM_WORLD rank
+_node_index = 0             # its place among its node's processes, the ranks first
 
 
 def configured() -> bool:
     """Whether this job was started with spares and some are still free."""
     return _pool is not None and bool(_free)
+
+
+def node_index() -> int:
+    """This process's place among the processes of its node, the ranks first (in rank order,
+    as their local ranks), then the spares: the GPU a process takes. A spare that joins keeps
+    the device it would have had, never one a rank of its node holds."""
+    return _node_index
 
 
 def started_with_spares() -> bool:
@@ -53,7 +61,7 @@ def started_with_spares() -> bool:
 def split_off(everyone, spares: int):
     """Collective over EVERYONE (a duplicate of MPI_COMM_WORLD): the world of the first
     size - SPARES processes, or COMM_NULL on a spare. Without spares, EVERYONE itself."""
-    global _pool, _members, _free, _me
+    global _pool, _members, _free, _me, _node_index
     size = everyone.Get_size()
     if spares <= 0:
         return everyone
@@ -63,7 +71,11 @@ def split_off(everyone, spares: int):
     everyone.Set_errhandler(MPI.ERRORS_RETURN)
     _pool, _me = everyone, everyone.Get_rank()
     _members, _free = list(range(size)), list(range(size - spares, size))
-    return everyone.Split(0 if _me < size - spares else MPI.UNDEFINED, _me)
+    # the spares are the last ranks: on each node they come after its ranks
+    node = everyone.Split_type(MPI.COMM_TYPE_SHARED, key=_me)
+    _node_index = node.Get_rank()
+    node.Free()
+    return everyone.Split(MPI.UNDEFINED if _me >= size - spares else 0, _me)
 
 
 def wait_as_spare():

@@ -88,7 +88,10 @@ def init(*, abort_on_exception: bool = False,
     # collective), later calls only change its timeout
     _run_hooks(hpcddp.ON_MPI_START, rt, timeout=timeout, abort_on_exception=abort_on_exception)
     if set_cuda_device and rt.cuda_device is None:
-        rt.cuda_device = _pick_cuda_device(rt.topology.local_rank)
+        spare = rt.joined is not None and rt.joined.get("spare")
+        # a spare joins a node whose ranks hold their devices: it takes the one it was given
+        rt.cuda_device = _pick_cuda_device(spares.node_index() if spare else
+                                           rt.topology.local_rank)
     return rt
 
 
@@ -96,7 +99,7 @@ def _start(thread_level: str) -> Runtime:
     if thread_level not in THREAD_LEVELS:
         raise ValueError(f"init: thread_level must be one of {sorted(THREAD_LEVELS)}, "
                          f"got {thread_level!r}")
-    from hpcddp.launch import check_world, detect
+    from hpcddp.launch import detect
     launch = detect()  # raises LaunchEnvError on contradictory variables, before MPI starts
     from hpcddp.comm._mpi import STARTED_HERE
     we_init = STARTED_HERE
@@ -110,38 +113,7 @@ def _start(thread_level: str) -> Runtime:
     atexit.register(_finalize_at_exit, we_init)
     process.own()     # hpcddp's hooks act in this process only, never in its forked children
     granted = _LEVEL_NAMES.get(MPI.Query_thread(), str(MPI.Query_thread()))
-    parent = MPI.Comm.Get_parent()
-    joined = None
-    if parent != MPI.COMM_NULL:
-        # hpcddp.elastic spawned this process to replace a lost rank: its world is the job's,
-        # joined through the parent intercommunicator (its own COMM_WORLD is a world of one)
-        from hpcddp.comm.spawn import join_as_replacement
-        comm, ranks, _me, joined = join_as_replacement(parent)
-        world = Communicator(comm, "WORLD", ranks)
-        stray_warning = None
-        launch_key = None        # its launcher numbers the spawned job, not the node
-    else:
-        # raises LaunchWorldError (a RuntimeError) for torchrun's workers and for an MPI that
-        # did not connect to its launcher; returns a warning for a stray WORLD_SIZE or RANK
-        stray_warning = check_world(launch, MPI.COMM_WORLD.Get_rank(),
-                                    MPI.COMM_WORLD.Get_size(), sys.argv)
-        _log.set_rank(MPI.COMM_WORLD.Get_rank())
-        with lost_rank_named("hpcddp.init", MPI.COMM_WORLD):
-            comm = spares.split_off(MPI.COMM_WORLD.Dup(), settings.get().elastic_spares)
-        # the launcher numbers the spares among the ranks of a node: its local rank is not
-        # the world's there
-        launch_key = (launch.local_rank if launch is not None
-                      and not spares.started_with_spares() else None)
-        if comm == MPI.COMM_NULL:
-            # a spare (HPCDDP_ELASTIC_SPARES): here until it replaces a lost rank, then on
-            # as a spawned replacement goes on; or released at the job's end
-            if launch is not None:
-                process.watch_launcher(say=_log.log)
-            comm, ranks, _me, joined = spares.wait_as_spare()
-            world = Communicator(comm, "WORLD", ranks)
-            launch_key = None
-        else:
-            world = Communicator(comm, "WORLD", list(range(comm.Get_size())))
+    world, joined, launch_key, stray_warning = _world(launch)
     _log.set_rank(world.world_ranks[world.rank])
     notes = []
     if stray_warning and world.rank == 0:   # inherited by every rank alike: one line says it
@@ -175,6 +147,41 @@ def _start(thread_level: str) -> Runtime:
     if launch is not None:
         process.watch_launcher(say=_log.log)   # a rank outliving its mpirun ends itself
     return rt
+
+
+def _world(launch):
+    """hpcddp's world for this process -> (Communicator, the join message of a replacement or
+    None, the launcher's local rank where it orders the node's ranks or None, a warning for
+    stray launcher variables or None)."""
+    from hpcddp.launch import check_world
+    parent = MPI.Comm.Get_parent()
+    if parent != MPI.COMM_NULL:
+        # hpcddp.elastic spawned this process to replace a lost rank: its world is the job's,
+        # joined through the parent intercommunicator (its own COMM_WORLD is a world of one;
+        # its launcher numbers the spawned job, not the node)
+        from hpcddp.comm.spawn import join_as_replacement
+        comm, ranks, _me, joined = join_as_replacement(parent)
+        return Communicator(comm, "WORLD", ranks), joined, None, None
+    # raises LaunchWorldError (a RuntimeError) for torchrun's workers and for an MPI that
+    # did not connect to its launcher; returns a warning for a stray WORLD_SIZE or RANK
+    stray_warning = check_world(launch, MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(),
+                                sys.argv)
+    _log.set_rank(MPI.COMM_WORLD.Get_rank())
+    with lost_rank_named("hpcddp.init", MPI.COMM_WORLD):
+        comm = spares.split_off(MPI.COMM_WORLD.Dup(), settings.get().elastic_spares)
+    if comm != MPI.COMM_NULL:
+        # the launcher numbers the spares among the ranks of a node: its local rank is not
+        # the world's there
+        key = launch.local_rank if launch is not None and not spares.started_with_spares() \
+            else None
+        return (Communicator(comm, "WORLD", list(range(comm.Get_size()))), None, key,
+                stray_warning)
+    # a spare (HPCDDP_ELASTIC_SPARES): here until it replaces a lost rank, then on as a
+    # spawned replacement goes on; or released at the job's end
+    if launch is not None:
+        process.watch_launcher(say=_log.log)
+    comm, ranks, _me, joined = spares.wait_as_spare()
+    return Communicator(comm, "WORLD", ranks), joined, None, stray_warning
 
 
 def _pick_cuda_device(local_rank: int):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import hpcddp
 import hpcddp.elastic as elastic
+from hpcddp.comm import spares
 
 
 class Indexed(torch.utils.data.Dataset):
@@ -74,6 +75,9 @@ def main():
         json.dump({"rank": me, "size": state.size, "global_step": state.global_step,
                    "params": blob.hex(), "node_group_size": int(t.item()),
                    "num_nodes": hpcddp.get_topology().num_nodes,
+                   # the GPU this process would take (a spare: never a node-mate's)
+                   "device_index": (spares.node_index() if elastic.is_replacement()
+                                    else hpcddp.get_topology().local_rank),
                    "recoveries": [{k: v for k, v in r.__dict__.items() if k != "cause"}
                                   for r in state.recoveries]}, f)
     torch.distributed.destroy_process_group()
