@@ -312,6 +312,26 @@ def test_spares_all_taken_the_job_goes_on_smaller(tmp_path):
     assert not _left_behind(tmp_path)
 
 
+def test_spares_without_fault_tolerance_say_so(tmp_path):
+    """Plain mpirun (no --with-ft ulfm), 3 processes, 1 spare: the world is 2 ranks (an
+    all_reduce of ones sums to 2), rank 0 says a lost rank would end the job, the spare is
+    released at the end, status 0."""
+    script = tmp_path / "sum.py"
+    script.write_text("import torch, torch.distributed as dist, hpcddp\n"
+                      "hpcddp.init_process_group()\n"
+                      "t = torch.ones(1); dist.all_reduce(t)\n"
+                      "print(f'sum {t.item():.0f} over {dist.get_world_size()}', flush=True)\n"
+                      "dist.destroy_process_group()\n")
+    res = run_mpi(3, [sys.executable, str(script)], timeout=TIMEOUT,
+                  env=_env(HPCDDP_ELASTIC_SPARES="1"))
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert out.count("sum 2 over 2") == 2, out[-3000:]
+    assert ("[rank0] hpcddp.init: HPCDDP_ELASTIC_SPARES=1 but this job runs without fault "
+            "tolerance") in out, out[-3000:]
+    assert "[rank2] hpcddp: spare process not needed: released at the job's end" in out
+
+
 def test_lost_rank_outside_elastic_mode_ends_the_job():
     """Plain mpirun, plain DDP: a rank SIGKILLed in backward ends the job quickly, named."""
     t0 = time.monotonic()

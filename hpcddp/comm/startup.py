@@ -25,6 +25,7 @@ from hpcddp.comm.communicator import Communicator
 from hpcddp.comm.failures import end_process, lost_rank_named, lost_ranks, ranks_text
 from hpcddp.comm.topology import Topology, build_topology, emulated_ranks_per_node
 from hpcddp.launch import process
+from hpcddp.launch.env import fault_tolerant_job
 from hpcddp.launch.torchrun_env import export_after_start
 
 THREAD_LEVELS = {
@@ -118,6 +119,10 @@ def _start(thread_level: str) -> Runtime:
     notes = []
     if stray_warning and world.rank == 0:   # inherited by every rank alike: one line says it
         notes.append(stray_warning)
+    if spares.configured() and world.rank == 0 and not fault_tolerant_job():
+        notes.append(f"HPCDDP_ELASTIC_SPARES={settings.get().elastic_spares} but this job "
+                     f"runs without fault tolerance (mpirun --with-ft ulfm): a lost rank ends "
+                     f"the whole job, and the spare processes only wait for its end")
     if THREAD_LEVELS[granted] < THREAD_LEVELS[thread_level]:
         notes.append(f"MPI granted thread level {granted!r}, asked for {thread_level!r}: "
                      f"DDP's autograd-thread collectives are serialised by hpcddp")
