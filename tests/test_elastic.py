@@ -332,6 +332,24 @@ def test_spares_without_fault_tolerance_say_so(tmp_path):
     assert "[rank2] hpcddp: spare process not needed: released at the job's end" in out
 
 
+def test_spares_differing_between_processes_end_the_job_at_once(tmp_path):
+    """HPCDDP_ELASTIC_SPARES=1 given to one process of three (a launcher that did not pass
+    it everywhere): every rank says so, the job ends non-zero, nothing hangs."""
+    import subprocess
+    from hpcddp.launch.mpirun import find_mpirun
+    script = tmp_path / "init.py"
+    script.write_text("import hpcddp\nhpcddp.init()\nprint('started', flush=True)\n")
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    cmd = [find_mpirun(), *root, "--oversubscribe", "-n", "1", "env", "HPCDDP_ELASTIC_SPARES=1",
+           sys.executable, str(script), ":", "-n", "2", sys.executable, str(script)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env())
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]
+    assert "hpcddp.init: HPCDDP_ELASTIC_SPARES differs between the job's processes (0 to 1" \
+        in out, out[-3000:]
+    assert "started" not in out, out[-3000:]
+
+
 def test_lost_rank_outside_elastic_mode_ends_the_job():
     """Plain mpirun, plain DDP: a rank SIGKILLed in backward ends the job quickly, named."""
     t0 = time.monotonic()

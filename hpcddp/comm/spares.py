@@ -33,6 +33,7 @@ from hpcddp.comm.failures import end_process, is_process_failure
 ORDER_TAG = 30_517          # the pool carries nothing but orders to spares
 POLL_S = 0.01               # a waiting spare sleeps between polls: it must not take a core
 WORLD_CHECK_S = 1.0         # how often a waiting spare checks that its job is still there
+RELEASE_WAIT_S = 2.0        # how long the release waits for the spares to take it
 
 _pool = None                # every live process of the job (world and free spares), or None
 _members: list = []         # MPI_COMM_WORLD rank of each pool rank
@@ -63,6 +64,13 @@ def split_off(everyone, spares: int):
     size - SPARES processes, or COMM_NULL on a spare. Without spares, EVERYONE itself."""
     global _pool, _members, _free, _me, _node_index
     size = everyone.Get_size()
+    # every process must split alike: a launcher that did not pass the variable to every
+    # node would leave the two sides in different collectives
+    low, high = everyone.allreduce(spares, op=MPI.MIN), everyone.allreduce(spares, op=MPI.MAX)
+    if low != high:
+        raise ValueError(f"hpcddp.init: HPCDDP_ELASTIC_SPARES differs between the job's "
+                         f"processes ({low} to {high}; here {spares}): export it to every "
+                         f"process (mpirun -x HPCDDP_ELASTIC_SPARES)")
     if spares <= 0:
         return everyone
     if spares >= size:
@@ -123,12 +131,20 @@ def release(world_rank: int, finalize: bool) -> None:
     global _free
     if _pool is None or world_rank != 0:
         return
+    sent = []
     for spare in _free:
-        try:
-            _pool.send({"what": "release", "finalize": finalize}, dest=_members.index(spare),
-                       tag=ORDER_TAG)
+        try:       # synchronous: done once the spare has it (an exit may follow at once)
+            sent.append(_pool.issend({"what": "release", "finalize": finalize},
+                                     dest=_members.index(spare), tag=ORDER_TAG))
         except MPI.Exception:
             pass
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    while sent and time.monotonic() < deadline:
+        try:
+            sent = [req for req in sent if not req.Test()]
+        except MPI.Exception:     # a spare lost meanwhile: it needs no release
+            break
+        time.sleep(POLL_S)
     _free = []
 
 

@@ -223,15 +223,28 @@ def get_topology() -> Topology:
     return runtime().topology
 
 
+_recovered = [False]      # hpcddp.elastic recovered from a lost process in this job
+
+
+def note_recovery() -> None:
+    """hpcddp.elastic recovered from a lost process: the job's MPI_Finalize would wait for
+    it (the rebuilt world no longer shows it), so no rank of the job reaches MPI_Finalize."""
+    _recovered[0] = True
+
+
 def finalize() -> None:
     """Free hpcddp's communicators and finalize MPI if hpcddp started it. Call on every rank."""
     global _runtime
     with _lock:
-        rt, _runtime = _runtime, None
+        rt = _runtime
     if rt is None:
         return
-    if lost_ranks(rt.world.mpi) or spares.lost_spares():
-        return       # MPI_Finalize would wait for them: the exit ends this rank without it
+    if _recovered[0] or lost_ranks(rt.world.mpi) or spares.lost_spares():
+        # MPI_Finalize would wait for the lost: the exit handler ends this rank without it
+        spares.release(rt.world.rank, finalize=False)
+        return
+    with _lock:
+        _runtime = None
     _drain_async_engine()
     _run_hooks(hpcddp.ON_MPI_FINALIZE)
     spares.release(rt.world.rank, finalize=True)

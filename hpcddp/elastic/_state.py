@@ -57,10 +57,11 @@ def failed_world_ranks(comm) -> list[int]:
 
 
 def is_replacement() -> bool:
-    """Whether this process was spawned to replace a lost rank (``State(regrow=True)``). It
-    runs the job's script from the top and joins the survivors inside ``elastic.State``:
-    until then it makes no collective call but ``init_process_group``, and skips work done
-    once per job (staging, downloads, clearing old checkpoints)."""
+    """Whether this process replaces a lost rank: spawned (``State(regrow=True)``; it runs
+    the job's script from the top) or a spare process (HPCDDP_ELASTIC_SPARES; it goes on
+    from its ``hpcddp.init``). It joins the survivors inside ``elastic.State``: until then it
+    makes no collective call but ``init_process_group``, and skips work done once per job
+    (staging, downloads, clearing old checkpoints)."""
     from hpcddp.comm import startup
     return startup.runtime().joined is not None
 
@@ -167,8 +168,8 @@ class State:
         self._rt = startup.runtime()
         from hpcddp.comm import spares
         # spares given (HPCDDP_ELASTIC_SPARES) are there to be used: regrow unless told not to
-        self.regrow = (settings.get().elastic_regrow or spares.configured() if regrow is None
-                       else bool(regrow))
+        self.regrow = (settings.get().elastic_regrow or spares.started_with_spares()
+                       if regrow is None else bool(regrow))
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
         self.sampler = batch_sampler
         self.ddp_kwargs = dict(ddp_kwargs or {})
@@ -394,6 +395,8 @@ class State:
         self.recoveries.append(rec)
         self.generation += 1
         _exit_without_finalize()
+        from hpcddp.comm import startup
+        startup.note_recovery()
         self._failed, self._failed_at, self._stepped = None, None, False
         self._first_step_after = rec
         if self.verbose and self.reporting:
@@ -506,6 +509,9 @@ class State:
             if got is None:
                 return "every spare process (HPCDDP_ELASTIC_SPARES) is taken"
             world, ranks, taken = got
+            if not taken:             # the free spares were all lost meanwhile
+                world.Free()
+                return "every spare process (HPCDDP_ELASTIC_SPARES) is taken or lost"
             return world, ranks.index(now[src]), taken
         try:
             with _stuck_after(SPAWN_LIMIT_S, "MPI_Comm_spawn of replacement ranks"):
@@ -759,7 +765,7 @@ def _exit_without_finalize(replacement: bool = False) -> None:
             pass
         try:
             from hpcddp.comm import output as _log
-            world = startup.runtime().world
+            world = startup._runtime.world      # never runtime(): it would start MPI again
             # `hpcddp launch` counts these lines: once every survivor has left, a launcher
             # still waiting for a node it cannot reach is ended (hpcddp.launch.mpirun)
             _log.log(SURVIVOR_LEFT_LINE.format(rank=world.rank, size=world.size,
@@ -768,7 +774,7 @@ def _exit_without_finalize(replacement: bool = False) -> None:
             pass
         try:
             from hpcddp.comm import spares
-            spares.release(startup.runtime().world.rank, finalize=False)
+            spares.release(startup._runtime.world.rank, finalize=False)
         except Exception:
             pass
         _flush_output()
