@@ -54,16 +54,20 @@ def is_process_failure(exc: BaseException, comm=None) -> bool:
 
 def failed_world_ranks(comm) -> list[int]:
     """World ranks (start-up numbering) of COMM's processes known here to have failed."""
+    from hpcddp.comm.communicator import translate_group_to_world
+    return sorted(failed_in(comm, translate_group_to_world))
+
+
+def failed_in(comm, translate) -> list:
+    """TRANSLATE(the group of COMM's processes known here to have failed), or [] where none
+    is (or the MPI has no ULFM: nothing is ever reported failed)."""
     from hpcddp.comm._mpi import MPI
     try:
         failed = comm.Get_failed()
     except (MPI.Exception, NotImplementedError, AttributeError):
-        return []                 # no ULFM in this MPI: nothing is ever reported failed
+        return []
     try:
-        if failed.Get_size() == 0:
-            return []
-        from hpcddp.comm.communicator import translate_group_to_world
-        return sorted(translate_group_to_world(failed))
+        return list(translate(failed)) if failed.Get_size() else []
     finally:
         failed.Free()
 

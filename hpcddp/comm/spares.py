@@ -22,13 +22,14 @@ Standard library plus mpi4py: no torch.
 """
 from __future__ import annotations
 
+import array
 import socket
 import time
 
 from hpcddp.comm import output as _log
 from hpcddp.comm._mpi import MPI
-from hpcddp.comm.communicator import set_world_numbering
-from hpcddp.comm.failures import end_process, is_process_failure
+from hpcddp.comm.failures import end_process, failed_in, is_process_failure
+from hpcddp.comm.spawn import numbered_by_start_up_rank
 
 ORDER_TAG = 30_517          # the pool carries nothing but orders to spares
 POLL_S = 0.01               # a waiting spare sleeps between polls: it must not take a core
@@ -40,11 +41,6 @@ _members: list = []         # MPI_COMM_WORLD rank of each pool rank
 _free: list = []            # MPI_COMM_WORLD ranks of the free spares, in order
 _me = -1                    # this process's MPI_COMM_WORLD rank
 _node_index = 0             # its place among its node's processes, the ranks first
-
-
-def configured() -> bool:
-    """Whether this job was started with spares and some are still free."""
-    return _pool is not None and bool(_free)
 
 
 def node_index() -> int:
@@ -66,7 +62,9 @@ def split_off(everyone, spares: int):
     size = everyone.Get_size()
     # every process must split alike: a launcher that did not pass the variable to every
     # node would leave the two sides in different collectives
-    low, high = everyone.allreduce(spares, op=MPI.MIN), everyone.allreduce(spares, op=MPI.MAX)
+    bounds = array.array("q", [spares, -spares])
+    everyone.Allreduce(MPI.IN_PLACE, [bounds, MPI.INT64_T], op=MPI.MAX)
+    high, low = bounds[0], -bounds[1]
     if low != high:
         raise ValueError(f"hpcddp.init: HPCDDP_ELASTIC_SPARES differs between the job's "
                          f"processes ({low} to {high}; here {spares}): export it to every "
@@ -168,9 +166,7 @@ def _regroup(start_up_rank, missing: list, message):
     world = pool.Split(MPI.UNDEFINED if mine is None else 0, mine or 0)
     if mine is None:
         return None
-    world.Set_errhandler(MPI.ERRORS_RETURN)
-    ranks = world.allgather(mine)
-    set_world_numbering(world, ranks)
+    ranks = numbered_by_start_up_rank(world, mine)
     hosts = {launch: host for launch, *_, host in info}
     taken = [(rank, hosts[launch]) for launch, rank in chosen.items()]
     return world, ranks, mine, dict(message, lost=list(missing), taken=taken, spare=True)
@@ -206,18 +202,11 @@ def _job_gone() -> bool:
 
 def _failed_members() -> list[int]:
     """MPI_COMM_WORLD ranks of the pool's processes known here to have failed."""
-    try:
-        failed = _pool.Get_failed()
-    except (MPI.Exception, NotImplementedError, AttributeError):
-        return []
-    try:
-        if failed.Get_size() == 0:
-            return []
+    def launch_ranks(failed):
         pool_ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())),
                                                _pool.Get_group())
-    finally:
-        failed.Free()
-    return [_members[r] for r in pool_ranks if r != MPI.UNDEFINED]
+        return [_members[r] for r in pool_ranks if r != MPI.UNDEFINED]
+    return failed_in(_pool, launch_ranks)
 
 
 def _leave(finalize: bool) -> None:

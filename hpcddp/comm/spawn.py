@@ -87,7 +87,13 @@ def join_as_replacement(parent):
 def _by_start_up_rank(merged, me: int):
     world = merged.Split(0, me)
     merged.Free()
+    return world, numbered_by_start_up_rank(world, me)
+
+
+def numbered_by_start_up_rank(world, me: int) -> list[int]:
+    """WORLD (split by start-up rank ME: a grown world) as the job's world from now on: its
+    start-up ranks, which world ranks are read in (hpcddp.comm.spares joins this way too)."""
     world.Set_errhandler(MPI.ERRORS_RETURN)
     ranks = world.allgather(me)
     set_world_numbering(world, ranks)
-    return world, ranks
+    return ranks

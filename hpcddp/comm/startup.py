@@ -119,7 +119,7 @@ def _start(thread_level: str) -> Runtime:
     notes = []
     if stray_warning and world.rank == 0:   # inherited by every rank alike: one line says it
         notes.append(stray_warning)
-    if spares.configured() and world.rank == 0 and not fault_tolerant_job():
+    if spares.started_with_spares() and world.rank == 0 and not fault_tolerant_job():
         notes.append(f"HPCDDP_ELASTIC_SPARES={settings.get().elastic_spares} but this job "
                      f"runs without fault tolerance (mpirun --with-ft ulfm): a lost rank ends "
                      f"the whole job, and the spare processes only wait for its end")
