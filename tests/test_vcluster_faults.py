@@ -78,6 +78,17 @@ def clean_nodes(cluster):
                 pass
 
 
+def left_after_end(node: str, script: pathlib.Path, grace: float = 10.0) -> list:
+    """SCRIPT's ranks and the launcher's daemons still on NODE GRACE s after the launcher
+    ended (a rank may still be in its last fraction of a second when mpirun returns)."""
+    deadline = time.monotonic() + grace
+    while True:
+        left = node_processes(NAME, node, (script.name, "prte"))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
 def process_states(processes: list) -> str:
     """What each of PROCESSES ('PID: cmdline') waits in, and its TCP connections: for the
     message of a test that finds a process left behind."""
@@ -250,7 +261,7 @@ def test_rank_lost_in_start_up_ends_a_fault_tolerant_job(cluster):
     assert "hpcddp.init: rank 2 of the job died during start-up" in out, out[-4000:]
     assert "hpcddp: rank 2 of the job lost: this rank exits (exit 1)" in out, out[-4000:]
     for node in ("node1", "node2", "node3"):
-        assert not node_processes(NAME, node, (PLAIN_JOB.name, "prte")), node
+        assert not left_after_end(node, PLAIN_JOB), node
 
 
 def test_rank_killed_from_outside_ends_a_fault_tolerant_job(cluster):
@@ -267,7 +278,7 @@ def test_rank_killed_from_outside_ends_a_fault_tolerant_job(cluster):
     assert took < ULFM_LIMIT, f"the job ended {took:.0f} s after the kill:\n{out[-4000:]}"
     assert "hpcddp: rank 2 of the job lost" in out, out[-4000:]
     for node in ("node1", "node2", "node3"):
-        assert not node_processes(NAME, node, (PLAIN_JOB.name, "prte")), node
+        assert not left_after_end(node, PLAIN_JOB), node
 
 
 # -- elastic mode: the job survives, one side goes on ---------------------------------------
@@ -324,7 +335,7 @@ def test_elastic_job_survives_a_node_off_the_network(healed, tmp_path):
     assert len({f["params"] for f in final}) == 1 and len({f["global_step"] for f in final}) == 1
     assert "every survivor of the elastic job left" in out, out[-3000:]
     for node in ("node1", "node2", "node4"):
-        assert not node_processes(NAME, node, (ELASTIC_JOB.name, "prte")), node
+        assert not left_after_end(node, ELASTIC_JOB), node
     # the cut-off rank found itself alone, without a majority, and stopped (no world of one)
     assert not elastic_gone(["node3"]), out[-3000:]
 
@@ -342,7 +353,7 @@ def test_elastic_job_survives_a_rank_killed_from_outside(healed, tmp_path):
     assert all(f["size"] == 2 and f["lost"] == [[2]] for f in final), final
     assert len({f["params"] for f in final}) == 1, final
     for node in ("node1", "node2", "node3"):
-        assert not node_processes(NAME, node, (ELASTIC_JOB.name, "prte")), node
+        assert not left_after_end(node, ELASTIC_JOB), node
 
 
 @pytest.mark.parametrize("how", ["spawn", "spare"])
@@ -372,7 +383,7 @@ def test_elastic_job_grows_back_onto_a_spare_node(healed, tmp_path, how):
         (0, "node1", 3), (1, "node2", 3), (2, "node4", 3)], out[-6000:]
     assert len({f["params"] for f in final}) == 1 and len({f["global_step"] for f in final}) == 1
     for node in ("node1", "node2", "node4"):
-        assert not node_processes(NAME, node, (ELASTIC_JOB.name, "prte")), node
+        assert not left_after_end(node, ELASTIC_JOB), node
     assert not elastic_gone(["node3"]), out[-3000:]
 
 
