@@ -208,9 +208,17 @@ VARS: tuple[Var, ...] = (
         "than MPI; force: from 256 KiB, no race)",
         "multinode-testing.md"),
     Var("HPCDDP_RING", _path_mode, "auto", "0, 1/auto, force",
-        "large SUM/AVG all_reduce across nodes as a pipelined ring over point-to-point "
-        "(auto: groups spanning several nodes, from the size where a start-up race finds it "
-        "faster than MPI; force: from 1 MiB, also on one node, no race)", "benchmarks.md"),
+        "large SUM/AVG all_reduce across nodes as a pipelined ring (auto: groups spanning "
+        "several nodes, from the size where a start-up race finds it faster than MPI, or over "
+        "TCP links no more than 5% slower; force: from 1 MiB, also on one node, no race)",
+        "benchmarks.md"),
+    Var("HPCDDP_RING_TRANSPORT", _choice("tcp", "mpi"), "tcp", "tcp, mpi",
+        "what the ring's messages travel on: hpcddp's own TCP links between ring neighbours "
+        "(they wait in the kernel, as gloo's do) or MPI's point-to-point (it waits by polling, "
+        "a core per rank)", "benchmarks.md"),
+    Var("HPCDDP_SOCKET_IFNAME", _text, "", "interface[,interface...]",
+        "the network interfaces hpcddp's TCP links use (as GLOO_SOCKET_IFNAME; default: "
+        "Open MPI's btl_tcp_if_include, else every interface that is up)", "benchmarks.md"),
     Var("HPCDDP_FASTPATH", _path_mode, "auto", "0, 1/auto, force",
         "repeat calls run in the C module (0: the Python hit)", "benchmarks.md"),
     Var("HPCDDP_LIST_P2P_MAX_RANKS", _positive_int, 8, "ranks",

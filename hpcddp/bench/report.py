@@ -198,11 +198,11 @@ def node_path_line(d: dict) -> str:
     if "steps" not in d:       # results saved before per-size races: one size, kept or not
         return (f"{head}: {d['ours_s'] * 1e3:.2f} ms vs MPI {d['mpi_s'] * 1e3:.2f} ms -> "
                 f"{'kept' if d['kept'] else 'MPI kept'}")
-    from hpcddp.collectives._node import MARGIN, _mib
+    from hpcddp.collectives._node import WIN, _mib, losing
     steps = ", ".join(f"{_mib(b)} {o / m:.2f}x" for b, o, m in d["steps"])
     start = d["start_bytes"]
     verdict = f"from {_mib(start)}" if start is not None else \
-        f"never (not {MARGIN} faster than MPI at any size)"
+        f"never ({losing(d.get('win', WIN))} than MPI at any size)"
     return (f"{head}, {d['op']}: {verdict}; its time / MPI's at {steps}; race "
             f"{d['cost_s'] * 1e3:.0f} ms")
 

@@ -81,7 +81,7 @@ class Hier:
         self.node = node          # mpi4py: the group's ranks on my node (rank: local index)
         self.cross = cross        # mpi4py: my counterparts on every node (rank: node index)
         # the ring's private duplicate of cross (its messages never meet cross's collectives)
-        self.cross_ring = cross.Dup() if _ring.MODE != "0" else None
+        self.cross_ring = _ring.connect(cross.Dup()) if _ring.MODE != "0" else None
         self.where = where        # group rank -> (node index, local index)
         n_nodes = cross.Get_size()
         # blocks in (local index, node index) order -> rank order, and back

@@ -22,12 +22,16 @@ import numpy as np
 
 from hpcddp import settings
 from hpcddp.collectives import _node
+from hpcddp.comm import links
 from hpcddp.comm._mpi import MPI
 
 MIN_BYTES = 1 << 20
 LADDER = tuple(n for n in _node.LADDER if MIN_BYTES <= n <= 8 << 20)
 CHUNK = 1 << 20
+# over TCP links a received chunk is added once this much of it has landed
+ADD_CHUNK = 256 << 10
 MODE = settings.get().ring
+TRANSPORT = settings.get().ring_transport
 ADDABLE = frozenset(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
 _TAG_RS, _TAG_AG = 1, 2
 
@@ -48,11 +52,13 @@ def ring(comm):
 
 
 class Ring:
-    def __init__(self, comm, mpi):
+    def __init__(self, comm, via):
         self.comm = comm
-        self.mpi = mpi            # a private duplicate of the group's communicator
+        self.via = via            # TCP links, or a private duplicate of the group's communicator
+        # over TCP links a tie with MPI goes to the ring: its wait leaves the core to the caller
+        win = _node.TIE if isinstance(via, links.Links) else _node.WIN
         self.starts = _node.Starts("ring", comm, self._race_pair, MODE == "force", MIN_BYTES,
-                                   LADDER)
+                                   LADDER, win)
 
     def _race_pair(self, op: str, nbytes: int):
         """The ring's all_reduce and MPI's on NBYTES of scratch float32 (the start-up race)."""
@@ -66,28 +72,80 @@ class Ring:
         nodes = comm.mpi.allgather(startup.get_topology().node)
         if MODE != "force" and len(set(nodes)) < 2:
             return None
-        return cls(comm, comm.mpi.Dup())
+        return cls(comm, connect(comm.mpi.Dup()))
 
     def all_reduce(self, arr: np.ndarray) -> None:
         """ARR (contiguous, 1-D) summed over the group's ranks, in place on every rank."""
-        all_reduce(self.mpi, arr)
+        all_reduce(self.via, arr)
 
 
-def all_reduce(mpi, arr: np.ndarray, chunk: int = CHUNK) -> None:
-    """The ring over MPI communicator MPI: rank r ends with the sum of every rank's ARR.
-    Block b (of N, rank order) is finished by rank b-1 and then passed on, so every rank
-    holds the same bits."""
+def connect(private):
+    """What a ring over PRIVATE (a duplicate of the group's communicator, collective) sends
+    on: TCP links between neighbours (HPCDDP_RING_TRANSPORT=tcp, where every rank made its
+    links), else PRIVATE itself (MPI's point-to-point)."""
+    if TRANSPORT == "tcp":
+        made = links.Links.make(private)
+        if made is not None:
+            return made
+    return private
+
+
+def all_reduce(via, arr: np.ndarray) -> None:
+    """The ring over VIA (Links, or an MPI communicator): rank r ends with the sum of every
+    rank's ARR. Block b (of N, rank order) is finished by rank b-1 and then passed on, so
+    every rank holds the same bits."""
+    if isinstance(via, links.Links):
+        _over_links(via, arr)
+    else:
+        _over_mpi(via, arr)
+
+
+def _blocks(arr: np.ndarray, n: int):
+    edges = [arr.size * i // n for i in range(n + 1)]
+    return [arr[edges[i]:edges[i + 1]] for i in range(n)]
+
+
+def _over_links(via: links.Links, arr: np.ndarray) -> None:
+    """Reduce-scatter then all-gather as one stream each way: step t sends the block step t-1
+    received, as far as it is reduced (so the link never waits for a whole block), and each
+    received chunk is added as it lands."""
+    r, n = via.rank, via.size
+    if n == 1:
+        return
+    block = _blocks(arr, n)
+    scatter, gather = range(n - 1), range(n - 1)
+    sends = [block[(r - t) % n] for t in scatter] + [block[(r + 1 - s) % n] for s in gather]
+    into = [block[(r - t - 1) % n] for t in scatter] + [block[(r - s) % n] for s in gather]
+    tmp = np.empty(max(b.size for b in block), dtype=arr.dtype)
+    recvs = [links.as_bytes(tmp[:into[t].size]) for t in scatter] + \
+            [links.as_bytes(into[t]) for t in range(n - 1, 2 * n - 2)]
+    done = [0] * (2 * n - 2)              # bytes of each step's block reduced (or landed)
+    item, k = arr.itemsize, max(1, ADD_CHUNK // arr.itemsize)
+
+    def received(t, nbytes):
+        if t >= n - 1:
+            done[t] = nbytes
+            return
+        have, added = nbytes // item, done[t] // item
+        if have - added >= k or have == into[t].size:
+            part = into[t][added:have]
+            np.add(part, tmp[added:have], out=part)
+            done[t] = have * item
+    links.exchange(via, [links.as_bytes(b) for b in sends], recvs,
+                   lambda t: done[t - 1] if t else sends[0].nbytes, received)
+
+
+def _over_mpi(mpi, arr: np.ndarray, chunk: int = CHUNK) -> None:
     r, n = mpi.Get_rank(), mpi.Get_size()
     if n == 1:
         return
     right, left = (r + 1) % n, (r - 1) % n
-    edges = [arr.size * i // n for i in range(n + 1)]
+    blocks = _blocks(arr, n)
 
     def block(i):
-        i %= n
-        return arr[edges[i]:edges[i + 1]]
+        return blocks[i % n]
     k = max(1, chunk // arr.itemsize)
-    tmp = np.empty(max(edges[i + 1] - edges[i] for i in range(n)), dtype=arr.dtype)
+    tmp = np.empty(max(b.size for b in blocks), dtype=arr.dtype)
     for s in range(n - 1):                       # reduce-scatter
         out, into = block(r - s), block(r - s - 1)
         starts = range(0, into.size, k)

@@ -110,7 +110,7 @@ def _node_local(mode: str, variable: str, opened, unopened: str, raced: dict | N
             return f"open from {_mib(start)} ({variable}=force: no race)"
         found = starts.found[raced[op]]
         if start is None:
-            return (f"closed (not {_node.MARGIN} faster than MPI at any size raced, up to "
+            return (f"closed ({_node.losing(found.win)} than MPI at any size raced, up to "
                     f"{_mib(found.steps[-1][0])}: {found.why()})")
         return f"open from {_mib(start)} ({found.why()})"
     return state

@@ -185,3 +185,21 @@ def test_docs_count_of_rows_held_is_the_committed_runs():
     assert f"the direct API holds {held['direct']} of its {len(keys)} op-size rows from 256 KiB" \
         in page
     assert f"the `torch.distributed` column {held['hpcddp']}." in page
+
+
+@pytest.mark.parametrize("ratio, win, takes", [
+    (1.03, _node.WIN, False),   # a path that polls as MPI does must be 5% faster
+    (1.03, _node.TIE, True),    # one that waits in the kernel also takes a tie (within 5%)
+    (1.10, _node.TIE, False),   # but not a clear loss
+    (0.90, _node.TIE, True),
+])
+def test_a_path_that_leaves_the_core_free_takes_a_tie(monkeypatch, ratio, win, takes):
+    """The ring over TCP links races with win=TIE: its time / MPI's at most 1/0.95 serves."""
+    monkeypatch.setattr(_node, "best_times", lambda comm, ours, mpis, tries=3: (ratio, 1.0))
+    monkeypatch.setattr(_node, "decisions", [])
+    found = _node.crossover("ring", "all_reduce", _OneRank(), lambda nbytes: (None, None),
+                            win=win)
+    assert (found.start == _node.LADDER[0]) is takes
+    assert found.as_dict()["win"] == win
+    if not takes:
+        assert found.why().startswith("not 5% faster" if win < 1 else "over 5% slower")

@@ -1,0 +1,267 @@
+"""TCP links between the neighbours of a ring, set up over MPI: the transport of hpcddp's ring
+all-reduce across nodes (:mod:`hpcddp.collectives._ring`).
+
+Why not MPI's own point-to-point: Open MPI's TCP transport waits by polling, so a rank waiting
+for the network takes a whole core (measured: 1.00 core per rank while it waits, gloo 0.07-0.12;
+docs/benchmarks.md "Scaling across virtual nodes"). Beside a training step that is a core taken
+from backward and the DataLoader workers: a bucket all-reduce on the async engine overlapped
+nothing with compute on 2 virtual nodes. A socket waits in the kernel (``poll``) and wakes when
+bytes arrive, as gloo's do; the bytes take the same kernel TCP path as Open MPI's.
+
+Each rank listens on an ephemeral port, publishes its addresses through an MPI allgather,
+connects to its right neighbour (trying each address) and accepts its left one; both ends check
+a token drawn for the group, so a stray connection is never taken for a neighbour. Every rank
+learns whether every link was made (one MPI allreduce): the same answer everywhere, or no links
+at all (the caller stays on MPI). Which interfaces: ``HPCDDP_SOCKET_IFNAME`` (as gloo's
+GLOO_SOCKET_IFNAME), else the interfaces Open MPI's TCP transport was told to use
+(``btl_tcp_if_include``), else every interface that is up, loopback last.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import socket
+import struct
+import time
+
+import numpy as np
+
+from hpcddp.comm._mpi import MPI
+
+CONNECT_TIMEOUT_S = 5.0
+# while a link waits with nothing moving, how often it asks MPI whether a process was lost
+# (under ULFM that raises MPI_ERR_PROC_FAILED, which elastic recovery knows)
+IDLE_CHECK_S = 1.0
+_SIOCGIFADDR = 0x8915
+
+
+def _interface_address(name: str):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _chosen_interfaces() -> list[str] | None:
+    from hpcddp import settings
+    for value in (settings.get().socket_ifname, os.environ.get("OMPI_MCA_btl_tcp_if_include")):
+        names = [n.strip() for n in (value or "").split(",") if n.strip()]
+        if names:
+            return names
+    return None
+
+
+def local_addresses() -> list[str]:
+    """This process's IPv4 addresses to publish, in the order a neighbour should try them."""
+    names = _chosen_interfaces()
+    if names is None:
+        names = [n for _, n in socket.if_nameindex()]
+        names.sort(key=lambda n: n == "lo")
+    found = [a for a in (_interface_address(n) for n in names) if a]
+    if "127.0.0.1" not in found:
+        found.append("127.0.0.1")     # a neighbour on the same node (its hostname says so)
+    return found
+
+
+class LinkError(ConnectionError):
+    """A ring's TCP link broke: the neighbour's process or its network is gone."""
+
+
+class Links:
+    """This rank's two TCP connections in the ring over an MPI communicator: ``out`` to rank
+    r+1, ``into`` from rank r-1 (two connections even where both are the same process)."""
+
+    def __init__(self, mpi_comm, out: socket.socket, into: socket.socket):
+        self.mpi = mpi_comm
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.out, self.into = out, into
+
+    @classmethod
+    def make(cls, mpi_comm):
+        """The ring's links over MPI_COMM (collective), or None on every rank where any link
+        could not be made (the reason printed on the rank that failed)."""
+        r, n = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        token = mpi_comm.bcast(os.urandom(8) if r == 0 else None, root=0)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("0.0.0.0", 0))
+        listener.listen(2)
+        me = (socket.gethostname(), local_addresses(), listener.getsockname()[1])
+        peers = mpi_comm.allgather(me)
+        out = into = None
+        error = ""
+        try:
+            out = _connect(peers[(r + 1) % n], me[0], token + struct.pack("!i", r))
+            into = _accept(listener, token + struct.pack("!i", (r - 1) % n))
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            listener.close()
+        made = mpi_comm.allreduce(0 if error else 1, op=MPI.MIN)
+        if made:
+            return cls(mpi_comm, out, into)
+        for s in (out, into):
+            if s is not None:
+                s.close()
+        if error:
+            print(f"[rank{MPI.COMM_WORLD.Get_rank()}] hpcddp: no TCP link for the ring "
+                  f"({error}): its all_reduce stays on MPI", flush=True)
+        return None
+
+    def close(self):
+        for s in (self.out, self.into):
+            s.close()
+
+    def failed(self, which: str, detail: str):
+        """Raise for a broken link: MPI's own error where it knows a process was lost (ULFM:
+        elastic recovery reads it), else a LinkError naming the neighbour."""
+        peer = (self.rank + (1 if which == "out" else -1)) % self.size
+        world = _world_rank(self.mpi, peer)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            self.check_peers()
+            time.sleep(0.05)
+        raise LinkError(f"the ring's TCP link {'to' if which == 'out' else 'from'} rank {world} "
+                        f"broke ({detail}): its process or its network is gone")
+
+    def check_peers(self):
+        """Let MPI say whether a process of the group was lost (raises MPI_ERR_PROC_FAILED
+        under ULFM; a no-op otherwise)."""
+        self.mpi.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+
+
+def _world_rank(mpi_comm, rank: int) -> int:
+    try:
+        return MPI.Group.Translate_ranks(mpi_comm.Get_group(), [rank], MPI.COMM_WORLD.Get_group())[0]
+    except Exception:
+        return rank
+
+
+def _connect(peer, my_host: str, hello: bytes) -> socket.socket:
+    host, addresses, port = peer
+    if host == my_host:
+        addresses = ["127.0.0.1"] + [a for a in addresses if a != "127.0.0.1"]
+    errors = []
+    for address in addresses:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            s.connect((address, port))
+            s.sendall(hello)
+            return _tuned(s)
+        except OSError as e:
+            errors.append(f"{address}:{port} {e}")
+            s.close()
+    raise ConnectionError(f"could not reach {host}: " + "; ".join(errors))
+
+
+def _accept(listener: socket.socket, expected: bytes) -> socket.socket:
+    listener.settimeout(CONNECT_TIMEOUT_S * 4)
+    while True:
+        s, _ = listener.accept()
+        s.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            hello = _read_exactly(s, len(expected))
+        except OSError:
+            hello = b""
+        if hello == expected:
+            return _tuned(s)
+        s.close()                      # not our neighbour: keep waiting for it
+
+
+def _read_exactly(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        got = s.recv(n - len(buf))
+        if not got:
+            break
+        buf += got
+    return bytes(buf)
+
+
+def _tuned(s: socket.socket) -> socket.socket:
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.setblocking(False)
+    return s
+
+
+class Stream:
+    """One direction of a ring pass: byte blocks sent or received in order."""
+    def __init__(self, views):
+        self.views, self.step, self.pos = views, 0, 0
+        self.advance(0)                  # past empty blocks
+
+    def done(self) -> bool:
+        return self.step >= len(self.views)
+
+    def advance(self, n: int):
+        self.pos += n
+        while not self.done() and self.pos >= self.views[self.step].nbytes:
+            self.step, self.pos = self.step + 1, 0
+
+
+def exchange(links: Links, sends, recvs, ready, on_received):
+    """Send the byte views SENDS to the right neighbour and receive RECVS from the left one,
+    each in order, both at once, waiting in the kernel. SENDS[t] may go only as far as
+    READY(t) bytes (a block still being reduced); ON_RECEIVED(t, nbytes) sees each step's
+    bytes arrive (it reduces them)."""
+    out, into = Stream(sends), Stream(recvs)
+    poller = select.poll()
+    poller.register(links.into.fileno(), select.POLLIN)
+    out_fd, watching_out = links.out.fileno(), False
+    idle_since = time.monotonic()
+    while not (out.done() and into.done()):
+        limit = 0 if out.done() else min(sends[out.step].nbytes, ready(out.step))
+        want_out = not out.done() and out.pos < limit
+        if want_out != watching_out:
+            if want_out:
+                poller.register(out_fd, select.POLLOUT)
+            else:
+                poller.unregister(out_fd)
+            watching_out = want_out
+        events = poller.poll(IDLE_CHECK_S * 1000)
+        if not events:
+            if time.monotonic() - idle_since >= IDLE_CHECK_S:
+                links.check_peers()
+                idle_since = time.monotonic()
+            continue
+        idle_since = time.monotonic()
+        for fd, _ in events:
+            if fd == out_fd:
+                _send(links, sends[out.step][out.pos:limit], out)
+            elif not into.done():
+                step = into.step
+                got = _recv(links, recvs[step][into.pos:])
+                into.advance(got)
+                on_received(step, recvs[step].nbytes if into.step != step else into.pos)
+            else:
+                _recv(links, memoryview(bytearray(1)))   # bytes past the end, or the end
+
+
+def _send(links: Links, view, stream: Stream):
+    try:
+        stream.advance(links.out.send(view))
+    except (BlockingIOError, InterruptedError):
+        pass
+    except OSError as e:
+        links.failed("out", e.strerror or str(e))
+
+
+def _recv(links: Links, view) -> int:
+    try:
+        got = links.into.recv_into(view)
+    except (BlockingIOError, InterruptedError):
+        return 0
+    except OSError as e:
+        links.failed("into", e.strerror or str(e))
+    if got == 0:
+        links.failed("into", "closed by the other end")
+    return got
+
+
+def as_bytes(arr: np.ndarray) -> memoryview:
+    return memoryview(arr).cast("B")
+
+
