@@ -91,16 +91,17 @@ class Links:
         me = (socket.gethostname(), local_addresses(), listener.getsockname()[1])
         peers = mpi_comm.allgather(me)
         out = into = None
-        error = ""
-        try:
-            out = _connect(peers[(r + 1) % n], me[0], token + struct.pack("!i", r))
-            into = _accept(listener, token + struct.pack("!i", (r - 1) % n))
+        try:                   # connect first: the peer's backlog takes it before any accept
+            out, error = _connect(peers[(r + 1) % n], me[0], token + struct.pack("!i", r)), ""
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
-        finally:
-            listener.close()
-        made = mpi_comm.allreduce(0 if error else 1, op=MPI.MIN)
-        if made:
+        if mpi_comm.allreduce(0 if error else 1, op=MPI.MIN):   # every rank reached its right
+            try:
+                into = _accept(listener, token + struct.pack("!i", (r - 1) % n))
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"
+        listener.close()
+        if mpi_comm.allreduce(0 if error or into is None else 1, op=MPI.MIN):
             return cls(mpi_comm, out, into)
         for s in (out, into):
             if s is not None:
@@ -109,6 +110,8 @@ class Links:
             print(f"[rank{MPI.COMM_WORLD.Get_rank()}] hpcddp: no TCP link for the ring "
                   f"({error}): its all_reduce stays on MPI", flush=True)
         return None
+
+    broken = ""
 
     def close(self):
         for s in (self.out, self.into):
@@ -158,7 +161,7 @@ def _connect(peer, my_host: str, hello: bytes) -> socket.socket:
 
 
 def _accept(listener: socket.socket, expected: bytes) -> socket.socket:
-    listener.settimeout(CONNECT_TIMEOUT_S * 4)
+    listener.settimeout(CONNECT_TIMEOUT_S)
     while True:
         s, _ = listener.accept()
         s.settimeout(CONNECT_TIMEOUT_S)
@@ -207,10 +210,24 @@ def exchange(links: Links, sends, recvs, ready, on_received):
     each in order, both at once, waiting in the kernel. SENDS[t] may go only as far as
     READY(t) bytes (a block still being reduced); ON_RECEIVED(t, nbytes) sees each step's
     bytes arrive (it reduces them)."""
+    if links.broken:
+        raise LinkError(f"the ring's TCP links broke in an earlier call ({links.broken})")
+    try:
+        _exchange(links, sends, recvs, ready, on_received)
+    except BaseException as e:
+        # closed at once: the neighbours waiting on this rank see the end now, not at their
+        # next idle check, and the group's later calls fail instead of reading stale bytes
+        links.broken = f"{type(e).__name__}: {e}"
+        links.close()
+        raise
+
+
+def _exchange(links: Links, sends, recvs, ready, on_received):
     out, into = Stream(sends), Stream(recvs)
     poller = select.poll()
-    poller.register(links.into.fileno(), select.POLLIN)
-    out_fd, watching_out = links.out.fileno(), False
+    into_fd, out_fd, watching_out = links.into.fileno(), links.out.fileno(), False
+    if not into.done():
+        poller.register(into_fd, select.POLLIN)
     idle_since = time.monotonic()
     while not (out.done() and into.done()):
         limit = 0 if out.done() else min(sends[out.step].nbytes, ready(out.step))
@@ -231,13 +248,13 @@ def exchange(links: Links, sends, recvs, ready, on_received):
         for fd, _ in events:
             if fd == out_fd:
                 _send(links, sends[out.step][out.pos:limit], out)
-            elif not into.done():
+            else:
                 step = into.step
                 got = _recv(links, recvs[step][into.pos:])
                 into.advance(got)
                 on_received(step, recvs[step].nbytes if into.step != step else into.pos)
-            else:
-                _recv(links, memoryview(bytearray(1)))   # bytes past the end, or the end
+                if into.done():       # what comes next is the next call's, or the end
+                    poller.unregister(into_fd)
 
 
 def _send(links: Links, view, stream: Stream):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import hpcddp
 from hpcddp.collectives import _ring, paths
+from hpcddp.comm import links
 
 # emulated nodes share one host's shared memory: the arena would take the calls first, and
 # MPI's shared-memory Allreduce would win the ring's start-up race (force skips it)
@@ -102,3 +103,75 @@ def test_the_group_layout_decides_the_same_everywhere(world):
         # made on that first call, on both members (cached: no message now)
         assert _ring.ring(g.hpcddp_comm) is not None
     dist.barrier()
+
+
+def test_the_ring_travels_on_tcp_links_with_the_same_bits_as_over_mpi(world):
+    """By default (HPCDDP_RING_TRANSPORT=tcp) the group's ring holds TCP links to its
+    neighbours; a sum over them equals, bit for bit, the ring over MPI's point-to-point and
+    numpy's sum in the ring's block order, also with blocks of uneven size."""
+    n, r = world
+    assert isinstance(_ring.ring(hpcddp.world()).via, links.Links)
+    private = hpcddp.world().mpi.Dup()
+    rng = np.random.default_rng(7)
+    for numel in (n - 1, (1 << 18) + 5, 3 << 20):
+        data = [rng.standard_normal(numel).astype(np.float32) for _ in range(n)]
+        over_tcp, over_mpi = data[r].copy(), data[r].copy()
+        _ring.ring(hpcddp.world()).all_reduce(over_tcp)
+        _ring.all_reduce(private, over_mpi)
+        assert np.array_equal(over_tcp, over_mpi)
+        want = np.empty_like(over_tcp)      # block b is summed from rank b on, round the ring
+        for b, idx in enumerate(np.array_split(np.arange(numel), [numel * i // n
+                                                                  for i in range(1, n)])):
+            acc = data[b][idx].copy()
+            for q in range(1, n):
+                acc += data[(b + q) % n][idx]
+            want[idx] = acc
+        assert np.array_equal(over_tcp, want)
+    private.Free()
+
+
+def test_a_stray_connection_is_not_taken_for_a_neighbour(world):
+    """Links accept only a peer that shows the group's token and its own rank: a connection
+    from elsewhere to the listening port is closed, and the ring is still made."""
+    n, r = world
+    import socket
+    import threading
+    real_accept = links._accept
+
+    def accept_after_a_stray(listener, expected):
+        port = listener.getsockname()[1]
+        stray = socket.create_connection(("127.0.0.1", port))
+        stray.sendall(b"not the token")
+        try:
+            return real_accept(listener, expected)
+        finally:
+            stray.close()
+    links._accept = accept_after_a_stray
+    try:
+        made = links.Links.make(hpcddp.world().mpi)
+    finally:
+        links._accept = real_accept
+    assert made is not None
+    t = np.full(1 << 18, float(r), dtype=np.float64)
+    _ring.all_reduce(made, t)
+    assert np.array_equal(t, np.full_like(t, n * (n - 1) / 2))
+    made.close()
+    assert threading.active_count() >= 1
+
+
+def test_no_link_on_one_rank_means_no_links_anywhere(world, capfd):
+    """A rank that cannot reach its neighbour says why; every rank then keeps MPI's
+    point-to-point (the same choice everywhere)."""
+    n, r = world
+    real = links._connect
+
+    def unreachable(peer, my_host, hello):
+        raise ConnectionRefusedError(111, "Connection refused (forced by the test)")
+    links._connect = unreachable if r == n - 1 else real
+    try:
+        made = links.Links.make(hpcddp.world().mpi)
+    finally:
+        links._connect = real
+    assert made is None
+    if r == n - 1:
+        assert "no TCP link for the ring" in capfd.readouterr().out

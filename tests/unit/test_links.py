@@ -1,0 +1,126 @@
+"""The ring over TCP links (hpcddp.comm.links, hpcddp.collectives._ring), inside one process:
+N threads play N ranks joined by socket pairs, so the stream each way, the partial reads and
+sends, the adds as chunks land and a neighbour that goes away are exercised without MPI
+(tests/mpi/test_ring.py runs it between real ranks)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hpcddp.collectives import _ring
+from hpcddp.comm import links
+from hpcddp.diagnostics import state
+
+
+class _FakeComm:
+    """What Links asks of its MPI communicator: rank, size, and the check for lost peers."""
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+    def Iprobe(self, source, tag):
+        return False
+
+
+def _ring_of(n: int) -> list:
+    pairs = [socket.socketpair() for _ in range(n)]      # pair i: rank i -> rank i+1
+    made = []
+    for r in range(n):
+        out, into = pairs[r][0], pairs[(r - 1) % n][1]
+        for s in (out, into):
+            s.setblocking(False)
+        made.append(links.Links(_FakeComm(r, n), out, into))
+    return made
+
+
+def _run_ranks(n, body):
+    errors, threads = [], []
+    for r, link in enumerate(_ring_of(n)):
+        def run(r=r, link=link):
+            try:
+                body(r, link)
+            except BaseException as e:      # noqa: BLE001 - reported below
+                errors.append((r, e))
+        threads.append(threading.Thread(target=run))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank of the ring never finished"
+    return errors
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("numel, dtype", [(1, np.float32), (4099, np.float64),
+                                          ((1 << 20) + 7, np.float32), (300_001, np.int64)])
+def test_every_rank_ends_with_the_sum_in_the_same_bits(n, numel, dtype):
+    rng = np.random.default_rng(n)
+    data = [(rng.standard_normal(numel) * 100).astype(dtype) for _ in range(n)]
+    results = [d.copy() for d in data]
+    errors = _run_ranks(n, lambda r, link: _ring.all_reduce(link, results[r]))
+    assert not errors, errors
+    want = np.sum(np.stack(data).astype(np.float64), axis=0)
+    for got in results:
+        assert np.array_equal(got, results[0])          # one set of bits everywhere
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-3)
+    if dtype == np.int64:
+        assert np.array_equal(results[0], np.sum(np.stack(data), axis=0))
+
+
+def test_a_neighbour_gone_is_an_error_naming_it():
+    """Rank 1 of 3 closes its links (its process ended): its neighbours raise LinkError
+    naming it instead of waiting, and the ring refuses later calls."""
+    rings = _ring_of(3)
+    rings[1].close()
+    got = {}
+
+    def run(r):
+        try:
+            _ring.all_reduce(rings[r], np.ones(1000, np.float32))
+        except links.LinkError as e:
+            got[r] = str(e)
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert set(got) == {0, 2}, got
+    assert "rank 1" in got[0] and "rank 1" in got[2], got
+    with pytest.raises(links.LinkError, match="broke in an earlier call"):
+        _ring.all_reduce(rings[0], np.ones(1000, np.float32))
+
+
+def test_a_rank_waiting_on_its_links_counts_as_blocked_for_the_watchdog():
+    """The watchdog's stall check looks for threads waiting in hpcddp's code: a ring waiting
+    in its links' poll is one (it was not: a lossy link stalled the job with no report)."""
+    rings = _ring_of(2)
+    t = threading.Thread(target=_ring.all_reduce, args=(rings[0], np.ones(1 << 16, np.float32)),
+                         name="waits-on-links")
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while (t.ident, "waits-on-links") not in state.blocked_threads():
+            assert time.monotonic() < deadline, "not seen as blocked"
+            time.sleep(0.05)
+    finally:
+        _ring.all_reduce(rings[1], np.ones(1 << 16, np.float32))   # the peer comes: it ends
+        t.join(timeout=30)
+    assert not t.is_alive()
+
+
+def test_addresses_follow_the_chosen_interface(monkeypatch):
+    from hpcddp import settings
+    monkeypatch.setattr(settings, "_current", settings.read({"HPCDDP_SOCKET_IFNAME": "lo"}))
+    assert links.local_addresses() == ["127.0.0.1"]
+    monkeypatch.setattr(settings, "_current", settings.read({}))
+    monkeypatch.setenv("OMPI_MCA_btl_tcp_if_include", "no-such-if0")
+    assert links.local_addresses() == ["127.0.0.1"]      # none found: loopback only
