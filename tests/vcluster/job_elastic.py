@@ -1,7 +1,8 @@
 """Run on the virtual cluster (tests/test_vcluster_faults.py): elastic DDP training that a
 network fault should not stop, under `hpcddp launch -- mpirun --with-ft ulfm`.
 
-argv: OUTDIR EPOCHS. A small MLP, 480 samples, global batch 24 (20 steps an epoch), a pause
+argv: OUTDIR EPOCHS [HIDDEN]. An MLP (HIDDEN units, default 64; 16384 makes a 2.4 MB gradient
+bucket, which the ring path takes across nodes), 480 samples, global batch 24 (20 steps an epoch), a pause
 per step so that the run outlasts the fault's detection. Rank 0 prints "[rank0] looping"
 after 20 steps: the test then injects its fault. Every survivor writes OUTDIR/final.<start-up
 rank>.json at the end: the world it ended in, its host, the steps, the ranks lost and the
@@ -22,8 +23,16 @@ import hpcddp
 import hpcddp.elastic as elastic
 
 
+def _rings_on_links() -> int:
+    """How many of this process's groups ran the ring path over TCP links."""
+    from hpcddp.collectives import _ring
+    from hpcddp.comm import links
+    return sum(isinstance(getattr(r, "via", None), links.Links) for r in _ring._groups.values())
+
+
 def main():
     out, epochs = sys.argv[1], int(sys.argv[2])
+    hidden = int(sys.argv[3]) if len(sys.argv) > 3 else 64
     torch.set_num_threads(1)
     hpcddp.init()
     hpcddp.init_process_group()
@@ -31,8 +40,8 @@ def main():
     x = torch.randn(480, 16, generator=g, dtype=torch.float64)
     ds = torch.utils.data.TensorDataset(x, (x[:, :4].sum(1) > 0).long())
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 2)).double()
+    model = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.ReLU(),
+                                torch.nn.Linear(hidden, 2)).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sampler = elastic.ElasticBatchSampler(len(ds), 24, seed=3)
     loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler)
@@ -51,7 +60,8 @@ def main():
     with open(os.path.join(out, f"final.{state.original_rank}.json"), "w") as f:
         json.dump({"rank": state.original_rank, "size": state.size, "host": socket.gethostname(),
                    "global_step": state.global_step, "params": blob.hex(),
-                   "lost": [r.lost for r in state.recoveries]}, f)
+                   "lost": [r.lost for r in state.recoveries],
+                   "ring_links": _rings_on_links()}, f)
     torch.distributed.destroy_process_group()
 
 
