@@ -1,18 +1,24 @@
-"""Large all_reduce across nodes: a pipelined ring over point-to-point.
+"""Large all_reduce across nodes: a pipelined ring, on TCP links between neighbours.
 
 Open MPI's MPI_Allreduce over TCP is bimodal from run to run on a shaped 1 Gbit/s link (16 MiB
 at about 118 or 77-91 MB/s) and reaches about 0.6 of gloo's bus bandwidth at 4 nodes, while
 its point-to-point is steady (8 MiB exchanges at 117-121 MB/s): docs/benchmarks.md. A ring
 (reduce-scatter then all-gather, N-1 steps each, so each link carries 2(N-1)/N of the buffer,
-the bound) whose blocks travel as CHUNK-byte messages, each chunk added as it arrives, keeps
-the link busy: 0.9-0.95 of gloo at 4 nodes in the prototype (scripts/vcluster/busbw.py ring).
+the bound), each chunk added as it arrives, keeps the link busy.
+
+What the ring's bytes travel on (HPCDDP_RING_TRANSPORT): by default hpcddp's own TCP
+connections to the two neighbours (hpcddp.comm.links), one stream each way, each step sending
+what the step before has reduced so far; the rank waits in the kernel, as gloo's do. Over
+MPI's point-to-point (``mpi``: CHUNK-byte messages on a private duplicate of the group's
+communicator) the rank polls while it waits and takes a whole core from the training step
+beside it: DDP across 2 virtual nodes ran at 0.62 of gloo that way, 1.03 on the links.
 
 Used for SUM (and AVG, PREMUL_SUM: scaled around it) of the dtypes numpy adds natively, in
 groups whose ranks span several nodes, from the size where a race against MPI's Allreduce on
-the group's first such call finds it faster (_node.crossover, 1 to 8 MiB: with several ranks
-per node a flat ring crosses each link twice and loses to MPI; ``HPCDDP_RING``: 0, auto,
-force, which skips the race and serves from MIN_BYTES). The messages go over a private
-duplicate of the group's communicator, so they never meet the user's point-to-point messages.
+the group's first such call finds it faster (_node.crossover, 1 to 8 MiB; over TCP links a tie
+within 5% goes to the ring, which leaves the core free: _node.TIE); ``HPCDDP_RING``: 0, auto,
+force, which skips the race and serves from MIN_BYTES. Its messages never meet the user's:
+they go over its own connections (or its private communicator).
 """
 from __future__ import annotations
 
