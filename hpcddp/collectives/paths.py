@@ -180,7 +180,8 @@ LISTS = Path("point-to-point", "the list form", _p2p_lists, applies=_lists_appli
 HIER = Path("hierarchical", f"several nodes, the same number of ranks on each, {RACED}",
             _hier_state, min_bytes=_hier.MIN_BYTES,
             applies=_hier_applies)
-RING = Path("ring", f"SUM/AVG/PREMUL_SUM of float32/64, int32/64, several nodes, {RACED}",
+RING = Path("ring", f"SUM/AVG/PREMUL_SUM of float32/64, int32/64, several nodes, on "
+                    f"{'TCP links' if _ring.TRANSPORT == 'tcp' else 'MPI point-to-point'}, {RACED}",
             _node_local("ring", "HPCDDP_RING", lambda c: _ring.ring(c),
                         "the group is on one node", {"all_reduce": "all_reduce"}),
             min_bytes=_ring.MIN_BYTES, applies=_ring_applies)
