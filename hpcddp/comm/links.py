@@ -71,50 +71,52 @@ class LinkError(ConnectionError):
 
 
 class Links:
-    """This rank's two TCP connections in the ring over an MPI communicator: ``out`` to rank
-    r+1, ``into`` from rank r-1 (two connections even where both are the same process)."""
+    """This rank's TCP connections in the ring over an MPI communicator: ``outs`` to rank r+1,
+    ``intos`` from rank r-1, CHANNELS of each (independent streams, as MPI's tags are; separate
+    connections even where both neighbours are the same process). ``out``/``into``: channel 0."""
 
-    def __init__(self, mpi_comm, out: socket.socket, into: socket.socket):
+    def __init__(self, mpi_comm, outs: list, intos: list):
         self.mpi = mpi_comm
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        self.out, self.into = out, into
+        self.outs, self.intos = outs, intos
+        self.out, self.into = outs[0], intos[0]
 
     @classmethod
-    def make(cls, mpi_comm):
+    def make(cls, mpi_comm, channels: int = 1):
         """The ring's links over MPI_COMM (collective), or None on every rank where any link
         could not be made (the reason printed on the rank that failed)."""
         r, n = mpi_comm.Get_rank(), mpi_comm.Get_size()
         token = mpi_comm.bcast(os.urandom(8) if r == 0 else None, root=0)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("0.0.0.0", 0))
-        listener.listen(2)
+        listener.listen(channels + 1)
         me = (socket.gethostname(), local_addresses(), listener.getsockname()[1])
         peers = mpi_comm.allgather(me)
-        out = into = None
+        outs, intos, error = [], [], ""
         try:                   # connect first: the peer's backlog takes it before any accept
-            out, error = _connect(peers[(r + 1) % n], me[0], token + struct.pack("!i", r)), ""
+            for c in range(channels):
+                outs.append(_connect(peers[(r + 1) % n], me[0], _hello(token, r, c)))
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
         if mpi_comm.allreduce(0 if error else 1, op=MPI.MIN):   # every rank reached its right
             try:
-                into = _accept(listener, token + struct.pack("!i", (r - 1) % n))
+                intos = _accept(listener, token, (r - 1) % n, channels)
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
         listener.close()
-        if mpi_comm.allreduce(0 if error or into is None else 1, op=MPI.MIN):
-            return cls(mpi_comm, out, into)
-        for s in (out, into):
-            if s is not None:
-                s.close()
+        if mpi_comm.allreduce(0 if error or not intos else 1, op=MPI.MIN):
+            return cls(mpi_comm, outs, intos)
+        for s in outs + intos:
+            s.close()
         if error:
             print(f"[rank{MPI.COMM_WORLD.Get_rank()}] hpcddp: no TCP link for the ring "
-                  f"({error}): its all_reduce stays on MPI", flush=True)
+                  f"({error}): it stays on MPI", flush=True)
         return None
 
     broken = ""
 
     def close(self):
-        for s in (self.out, self.into):
+        for s in self.outs + self.intos:
             s.close()
 
     def failed(self, which: str, detail: str):
@@ -160,18 +162,29 @@ def _connect(peer, my_host: str, hello: bytes) -> socket.socket:
     raise ConnectionError(f"could not reach {host}: " + "; ".join(errors))
 
 
-def _accept(listener: socket.socket, expected: bytes) -> socket.socket:
+def _hello(token: bytes, rank: int, channel: int) -> bytes:
+    return token + struct.pack("!ii", rank, channel)
+
+
+def _accept(listener: socket.socket, token: bytes, left: int, channels: int) -> list:
+    """CHANNELS connections from rank LEFT, by channel (a stray connection is closed)."""
     listener.settimeout(CONNECT_TIMEOUT_S)
-    while True:
+    got: dict = {}
+    size = len(_hello(token, 0, 0))
+    while len(got) < channels:
         s, _ = listener.accept()
         s.settimeout(CONNECT_TIMEOUT_S)
         try:
-            hello = _read_exactly(s, len(expected))
+            hello = _read_exactly(s, size)
         except OSError:
             hello = b""
-        if hello == expected:
-            return _tuned(s)
+        if len(hello) == size and hello[:len(token)] == token:
+            rank, channel = struct.unpack("!ii", hello[len(token):])
+            if rank == left and 0 <= channel < channels and channel not in got:
+                got[channel] = _tuned(s)
+                continue
         s.close()                      # not our neighbour: keep waiting for it
+    return [got[c] for c in range(channels)]
 
 
 def _read_exactly(s: socket.socket, n: int) -> bytes:

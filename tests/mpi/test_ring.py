@@ -138,12 +138,12 @@ def test_a_stray_connection_is_not_taken_for_a_neighbour(world):
     import threading
     real_accept = links._accept
 
-    def accept_after_a_stray(listener, expected):
+    def accept_after_a_stray(listener, token, left, channels):
         port = listener.getsockname()[1]
         stray = socket.create_connection(("127.0.0.1", port))
-        stray.sendall(b"not the token")
+        stray.sendall(b"not the group token at all")
         try:
-            return real_accept(listener, expected)
+            return real_accept(listener, token, left, channels)
         finally:
             stray.close()
     links._accept = accept_after_a_stray

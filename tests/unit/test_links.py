@@ -38,7 +38,7 @@ def _ring_of(n: int) -> list:
         out, into = pairs[r][0], pairs[(r - 1) % n][1]
         for s in (out, into):
             s.setblocking(False)
-        made.append(links.Links(_FakeComm(r, n), out, into))
+        made.append(links.Links(_FakeComm(r, n), [out], [into]))
     return made
 
 
