@@ -213,9 +213,10 @@ VARS: tuple[Var, ...] = (
         "TCP links no more than 5% slower; force: from 1 MiB, also on one node, no race)",
         "benchmarks.md"),
     Var("HPCDDP_RING_TRANSPORT", _choice("tcp", "mpi"), "tcp", "tcp, mpi",
-        "what the ring's messages travel on: hpcddp's own TCP links between ring neighbours "
-        "(they wait in the kernel, as gloo's do) or MPI's point-to-point (it waits by polling, "
-        "a core per rank)", "benchmarks.md"),
+        "what the rings' messages travel on (the all_reduce ring, hpcddp stage's ring "
+        "strategy): hpcddp's own TCP links between ring neighbours (they wait in the kernel, "
+        "as gloo's do) or MPI's point-to-point (it waits by polling, a core per rank)",
+        "benchmarks.md"),
     Var("HPCDDP_SOCKET_IFNAME", _text, "", "interface[,interface...]",
         "the network interfaces hpcddp's TCP links use (as GLOO_SOCKET_IFNAME; default: "
         "Open MPI's btl_tcp_if_include, else every interface that is up)", "benchmarks.md"),

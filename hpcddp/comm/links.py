@@ -18,6 +18,7 @@ GLOO_SOCKET_IFNAME), else the interfaces Open MPI's TCP transport was told to us
 """
 from __future__ import annotations
 
+import collections
 import fcntl
 import os
 import select
@@ -271,17 +272,21 @@ def _exchange(links: Links, sends, recvs, ready, on_received):
 
 
 def _send(links: Links, view, stream: Stream):
+    stream.advance(_send_some(links, links.out, view))
+
+
+def _send_some(links: Links, sock, view) -> int:
     try:
-        stream.advance(links.out.send(view))
+        return sock.send(view)
     except (BlockingIOError, InterruptedError):
-        pass
+        return 0
     except OSError as e:
         links.failed("out", e.strerror or str(e))
 
 
-def _recv(links: Links, view) -> int:
+def _recv(links: Links, view, sock=None) -> int:
     try:
-        got = links.into.recv_into(view)
+        got = (sock or links.into).recv_into(view)
     except (BlockingIOError, InterruptedError):
         return 0
     except OSError as e:
@@ -289,6 +294,58 @@ def _recv(links: Links, view) -> int:
     if got == 0:
         links.failed("into", "closed by the other end")
     return got
+
+
+class Pipe:
+    """One channel's sends (or receives), queued and done in order without blocking: what
+    MPI's nonblocking requests on one tag are to hpcddp stage's ring. ``post`` returns a
+    Transfer whose ``Test()`` moves what the socket takes now and says whether it is done."""
+
+    def __init__(self, links: Links, sock: socket.socket, sends: bool):
+        self.links, self.sock, self.sends = links, sock, sends
+        self.queue: collections.deque = collections.deque()
+
+    def post(self, view) -> "Transfer":
+        t = Transfer(self, memoryview(view).cast("B"))
+        if t.view.nbytes:
+            self.queue.append(t)
+        else:
+            t.done = True
+        return t
+
+    def progress(self) -> None:
+        while self.queue:
+            t = self.queue[0]
+            if self.sends:
+                n = _send_some(self.links, self.sock, t.view[t.pos:])
+            else:
+                n = _recv(self.links, t.view[t.pos:], self.sock)
+            t.pos += n
+            if t.pos < t.view.nbytes:
+                return
+            t.done = True
+            self.queue.popleft()
+
+
+class Transfer:
+    __slots__ = ("pipe", "view", "pos", "done")
+
+    def __init__(self, pipe: Pipe, view):
+        self.pipe, self.view, self.pos, self.done = pipe, view, 0, False
+
+    def Test(self) -> bool:
+        if not self.done:
+            self.pipe.progress()
+        return self.done
+
+
+def wait_any(pipes, timeout_s: float) -> None:
+    """Sleep in the kernel until one of PIPES with queued transfers can move, or TIMEOUT_S."""
+    poller = select.poll()
+    for p in pipes:
+        if p.queue:
+            poller.register(p.sock.fileno(), select.POLLOUT if p.sends else select.POLLIN)
+    poller.poll(timeout_s * 1000)
 
 
 def as_bytes(arr: np.ndarray) -> memoryview:

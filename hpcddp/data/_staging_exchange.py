@@ -32,8 +32,12 @@ from hpcddp.data._comm import watch_begin, watch_end, watch_local, watched
 from hpcddp.data._staging_io import CopyStats, Reader, Sink, slot_pool
 from hpcddp.data._staging_plan import NBUFS, pack_chunks, ring_share, split_by_bytes
 
-# ring: seconds between polls of MPI while nothing can move
+# ring: seconds between polls of MPI while nothing can move (on TCP links: at most this long
+# asleep in the kernel, woken at once by the network)
 RING_POLL_S = 0.0005
+# up to this many leaders the ring's chunks travel on TCP links, one connection per origin's
+# stream each way (more: MPI's point-to-point, not two sockets per node of the group)
+MAX_LINKED_LEADERS = 64
 
 
 def copy_exchange(gl, strategy: str, src: str, node_dest: str, m: mf.Manifest, todo: list,
@@ -182,8 +186,8 @@ class _Ring:
         self.rc = None
 
     def run(self) -> None:
-        from hpcddp.comm import MPI
         self.rc = self.gl.Dup()           # the ring's messages apart from every other call's
+        self._open_links()
         done = 0
         entry = watch_begin(self.gl, "stage:ring")
         try:
@@ -192,28 +196,60 @@ class _Ring:
                 watch_local(entry, None if moved or not self.held_by_writer() else
                             "this node's writer thread (every chunk buffer waits to be written)")
                 if not moved:
-                    MPI.Request.Testall(
-                        [q for d in self.held.values() for e in d for q in e[0]] +
-                        [e[2] for st in self.streams for e in st.posted if e[2]])
-                    time.sleep(RING_POLL_S)
+                    self._wait()
                 while done < min(self.rounds_done(), self.rounds):
                     done += 1
                     watch_end(entry)
                     entry = watch_begin(self.gl, "stage:ring")
         finally:
             watch_end(entry)
+            if self.links is not None:
+                self.links.close()
             self.rc.Free()
+
+    def _open_links(self) -> None:
+        """The chunks' way to the right neighbour: one TCP connection per origin's stream
+        (hpcddp.comm.links: the rank sleeps in the kernel while it waits, where Open MPI's
+        TCP transport moves bytes only while polled), else MPI's point-to-point on RC."""
+        from hpcddp import settings
+        from hpcddp.comm import links
+        self.links = None
+        if settings.get().ring_transport == "tcp" and self.g <= MAX_LINKED_LEADERS:
+            self.links = links.Links.make(self.rc, channels=self.g)
+        if self.links is not None:
+            self.sends = [links.Pipe(self.links, s, True) for s in self.links.outs]
+            self.recvs = [links.Pipe(self.links, s, False) for s in self.links.intos]
+
+    def _isend(self, slot, n: int, origin: int):
+        from hpcddp.comm import MPI
+        if self.links is not None:
+            return self.sends[origin].post(slot.buf[:n])
+        return self.rc.Isend([slot.buf, n, MPI.BYTE], dest=self.right, tag=origin)
+
+    def _irecv(self, slot, n: int, origin: int):
+        from hpcddp.comm import MPI
+        if self.links is not None:
+            return self.recvs[origin].post(slot.buf[:n])
+        return self.rc.Irecv([slot.buf, n, MPI.BYTE], source=self.left, tag=origin)
+
+    def _wait(self) -> None:
+        """Nothing could move: wait a little for the network (or the reader, or the writer)."""
+        from hpcddp.comm import MPI, links
+        if self.links is not None:
+            links.wait_any(self.sends + self.recvs, RING_POLL_S)
+            return
+        MPI.Request.Testall([q for d in self.held.values() for e in d for q in e[0]] +
+                            [e[2] for st in self.streams for e in st.posted if e[2]])
+        time.sleep(RING_POLL_S)
 
     def pass_on(self, origin, slot, pieces, verdicts) -> None:
         """Send SLOT right unless it ends its way here; keep it until sent, then write it."""
-        from hpcddp.comm import MPI
         reqs = []
         if (origin - 1) % self.g != self.me:
             if any(p[4] for p in pieces):
                 reqs.append(self.rc.isend(verdicts, dest=self.right, tag=self.g + origin))
             if _nbytes(pieces):
-                reqs.append(self.rc.Isend([slot.buf, _nbytes(pieces), MPI.BYTE],
-                                          dest=self.right, tag=origin))
+                reqs.append(self._isend(slot, _nbytes(pieces), origin))
         self.held[origin].append((reqs, slot,
                                   _pieces_kept(pieces, verdicts or [], 0, self.want)))
 
@@ -237,12 +273,10 @@ class _Ring:
 
     def step_stream(self, st: _Stream) -> bool:
         """Post receives for ST into its free slots; pass on what arrived, in round order."""
-        from hpcddp.comm import MPI
         while st.next_post < len(st.chunks) and not st.slots.empty():
             slot = st.slots.get_nowait()
             n = _nbytes(st.chunks[st.next_post])
-            req = (self.rc.Irecv([slot.buf, n, MPI.BYTE], source=self.left, tag=st.origin)
-                   if n else None)
+            req = self._irecv(slot, n, st.origin) if n else None
             st.posted.append((st.next_post, slot, req))
             st.next_post += 1
         moved = False

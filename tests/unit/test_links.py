@@ -124,3 +124,26 @@ def test_addresses_follow_the_chosen_interface(monkeypatch):
     monkeypatch.setattr(settings, "_current", settings.read({}))
     monkeypatch.setenv("OMPI_MCA_btl_tcp_if_include", "no-such-if0")
     assert links.local_addresses() == ["127.0.0.1"]      # none found: loopback only
+
+
+def test_pipes_move_queued_transfers_in_order_without_blocking():
+    """hpcddp stage's ring posts several chunks per stream ahead: each Pipe moves its queue
+    head first, never a later transfer's bytes before an earlier one's, and a Test() that
+    cannot move returns at once."""
+    a = _ring_of(2)[0]
+    out_sock, in_sock = socket.socketpair()
+    for s in (out_sock, in_sock):
+        s.setblocking(False)
+    sends = links.Pipe(a, out_sock, True)
+    recvs = links.Pipe(a, in_sock, False)
+    rng = np.random.default_rng(3)
+    data = [rng.integers(0, 255, n, dtype=np.uint8) for n in (3 << 20, 0, 12345, 1 << 20)]
+    got = [np.zeros_like(d) for d in data]
+    rx = [recvs.post(g) for g in got]
+    assert not rx[0].Test()                  # nothing sent yet: returns at once
+    tx = [sends.post(d) for d in data]
+    deadline = time.monotonic() + 30
+    while not all([t.Test() for t in tx + rx]):     # every transfer tested each time
+        assert time.monotonic() < deadline
+        links.wait_any([sends, recvs], 0.01)
+    assert all(np.array_equal(g, d) for g, d in zip(got, data))
