@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from hpcddp.comm import links
 from hpcddp.comm._mpi import MPI
 
 # What each race decided, in order (Crossover.as_dict). Benchmarks report it (a job where MPI
@@ -81,7 +82,7 @@ WIN = 0.95
 MARGIN = f"{(1 - WIN) * 100:.0f}%"
 # A path that waits in the kernel where MPI polls (the ring over TCP links) also takes a tie:
 # it serves up to TIE of MPI's time, and leaves the core MPI's wait would take to the caller
-TIE = 1 / WIN
+TIE = links.TIE
 
 
 def losing(win: float) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import ipaddress
 import os
 import select
 import socket
@@ -31,19 +32,26 @@ import numpy as np
 from hpcddp.comm._mpi import MPI
 
 CONNECT_TIMEOUT_S = 5.0
+_ACK = b"k"
+# a path that waits in the kernel where MPI polls serves up to this fraction of MPI's time (it
+# leaves the core MPI's wait would take): the all_reduce ring's race and stage's probe
+TIE = 1 / 0.95
 # while a link waits with nothing moving, how often it asks MPI whether a process was lost
 # (under ULFM that raises MPI_ERR_PROC_FAILED, which elastic recovery knows)
 IDLE_CHECK_S = 1.0
-_SIOCGIFADDR = 0x8915
+_SIOCGIFADDR, _SIOCGIFFLAGS, _IFF_UP = 0x8915, 0x8913, 0x1
 
 
 def _interface_address(name: str):
+    """NAME's IPv4 address, or None where it has none or is down."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed_name = struct.pack("256s", name[:15].encode())
         try:
-            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            flags = struct.unpack("H", fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, packed_name)[16:18])[0]
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, packed_name)
         except OSError:
             return None
-    return socket.inet_ntoa(packed[20:24])
+    return socket.inet_ntoa(packed[20:24]) if flags & _IFF_UP else None
 
 
 def _chosen_interfaces() -> list[str] | None:
@@ -56,12 +64,25 @@ def _chosen_interfaces() -> list[str] | None:
 
 
 def local_addresses() -> list[str]:
-    """This process's IPv4 addresses to publish, in the order a neighbour should try them."""
-    names = _chosen_interfaces()
-    if names is None:
-        names = [n for _, n in socket.if_nameindex()]
-        names.sort(key=lambda n: n == "lo")
-    found = [a for a in (_interface_address(n) for n in names) if a]
+    """This process's IPv4 addresses to publish, in the order a neighbour should try them.
+    A chosen entry is an interface's name or, as Open MPI takes them, a subnet (10.1.0.0/16)."""
+    every = [n for _, n in socket.if_nameindex()]
+    every.sort(key=lambda n: n == "lo")
+    up = {n: a for n, a in ((n, _interface_address(n)) for n in every) if a}
+    chosen = _chosen_interfaces()
+    if chosen is None:
+        found = list(up.values())
+    else:
+        found = []
+        for entry in chosen:
+            if "/" in entry:
+                try:
+                    net = ipaddress.ip_network(entry, strict=False)
+                except ValueError:
+                    continue
+                found += [a for a in up.values() if ipaddress.ip_address(a) in net]
+            elif entry in up:
+                found.append(up[entry])
     if "127.0.0.1" not in found:
         found.append("127.0.0.1")     # a neighbour on the same node (its hostname says so)
     return found
@@ -88,24 +109,32 @@ class Links:
         could not be made (the reason printed on the rank that failed)."""
         r, n = mpi_comm.Get_rank(), mpi_comm.Get_size()
         token = mpi_comm.bcast(os.urandom(8) if r == 0 else None, root=0)
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind(("0.0.0.0", 0))
-        listener.listen(channels + 1)
-        me = (socket.gethostname(), local_addresses(), listener.getsockname()[1])
-        peers = mpi_comm.allgather(me)
-        outs, intos, error = [], [], ""
-        try:                   # connect first: the peer's backlog takes it before any accept
-            for c in range(channels):
-                outs.append(_connect(peers[(r + 1) % n], me[0], _hello(token, r, c)))
+        listener, me, outs, intos, error = None, None, [], [], ""
+        try:                   # a rank that cannot listen publishes None: no rank waits for it
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind(("0.0.0.0", 0))
+            listener.listen(channels + 1)
+            me = (socket.gethostname(), local_addresses(), listener.getsockname()[1])
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
-        if mpi_comm.allreduce(0 if error else 1, op=MPI.MIN):   # every rank reached its right
-            try:
-                intos = _accept(listener, token, (r - 1) % n, channels)
+        peers = mpi_comm.allgather(me)
+        try:                   # connect first: the peer's backlog takes it before any accept
+            if all(peers):
+                for c in range(channels):
+                    outs.append(_connect(peers[(r + 1) % n], me[0], _hello(token, r, c)))
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+        if all(peers) and mpi_comm.allreduce(0 if error else 1, op=MPI.MIN):
+            try:       # accept the left's, then say so: a connect that reached another
+                intos = _accept(listener, token, (r - 1) % n, channels)   # process gets no ack
+                for s in intos:
+                    s.send(_ACK)
+                _await_acks(outs)
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
-        listener.close()
-        if mpi_comm.allreduce(0 if error or not intos else 1, op=MPI.MIN):
+        if listener is not None:
+            listener.close()
+        if all(peers) and mpi_comm.allreduce(0 if error or not intos else 1, op=MPI.MIN):
             return cls(mpi_comm, outs, intos)
         for s in outs + intos:
             s.close()
@@ -118,6 +147,10 @@ class Links:
 
     def close(self):
         for s in self.outs + self.intos:
+            try:       # the end reaches the neighbours also where a forked child holds a copy
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             s.close()
 
     def failed(self, which: str, detail: str):
@@ -125,6 +158,8 @@ class Links:
         elastic recovery reads it), else a LinkError naming the neighbour."""
         peer = (self.rank + (1 if which == "out" else -1)) % self.size
         world = _world_rank(self.mpi, peer)
+        self.broken = detail
+        self.close()           # the neighbours on this rank's other links see the end now
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             self.check_peers()
@@ -161,6 +196,22 @@ def _connect(peer, my_host: str, hello: bytes) -> socket.socket:
             errors.append(f"{address}:{port} {e}")
             s.close()
     raise ConnectionError(f"could not reach {host}: " + "; ".join(errors))
+
+
+def _await_acks(outs: list) -> None:
+    """Each connection's ack from the process that accepted it (the neighbour)."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    for s in outs:
+        while True:
+            try:
+                got = s.recv(1)
+                break
+            except (BlockingIOError, InterruptedError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no answer from the neighbour on a new link")
+                select.select([s], [], [], 0.05)
+        if got != _ACK:
+            raise ConnectionError("the connection reached another process than the neighbour")
 
 
 def _hello(token: bytes, rank: int, channel: int) -> bytes:
@@ -231,8 +282,9 @@ def exchange(links: Links, sends, recvs, ready, on_received):
     except BaseException as e:
         # closed at once: the neighbours waiting on this rank see the end now, not at their
         # next idle check, and the group's later calls fail instead of reading stale bytes
-        links.broken = f"{type(e).__name__}: {e}"
-        links.close()
+        if not links.broken:
+            links.broken = f"{type(e).__name__}: {e}"
+            links.close()
         raise
 
 
@@ -352,3 +404,25 @@ def as_bytes(arr: np.ndarray) -> memoryview:
     return memoryview(arr).cast("B")
 
 
+def faster_than_mpi(links: Links, nbytes: int, tries: int = 2) -> bool:
+    """Whether shifting NBYTES one step round the ring on LINKS takes at most TIE of the time
+    MPI's Sendrecv takes on the same communicator (collective; the slowest rank's best of
+    TRIES decides for all)."""
+    out, into = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    right, left = (links.rank + 1) % links.size, (links.rank - 1) % links.size
+    send, recv = Pipe(links, links.out, True), Pipe(links, links.into, False)
+
+    def over_links():
+        moving = [send.post(out), recv.post(into)]
+        while not all([t.Test() for t in moving]):
+            wait_any([send, recv], 0.01)
+    best = [float("inf"), float("inf")]
+    for _ in range(tries):
+        for i, shift in enumerate((over_links, lambda: links.mpi.Sendrecv(
+                out, dest=right, recvbuf=into, source=left))):
+            links.mpi.Barrier()
+            t = time.perf_counter()
+            shift()
+            best[i] = min(best[i], time.perf_counter() - t)
+    worst = links.mpi.allreduce(best[0] - TIE * best[1], op=MPI.MAX)
+    return worst <= 0

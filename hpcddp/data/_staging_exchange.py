@@ -38,6 +38,9 @@ RING_POLL_S = 0.0005
 # up to this many leaders the ring's chunks travel on TCP links, one connection per origin's
 # stream each way (more: MPI's point-to-point, not two sockets per node of the group)
 MAX_LINKED_LEADERS = 64
+# the links serve only where a shift of this many bytes round the ring is not slower on them
+# than on MPI (a fabric MPI drives natively, InfiniBand or Slingshot, beats TCP)
+PROBE_BYTES = 4 << 20
 
 
 def copy_exchange(gl, strategy: str, src: str, node_dest: str, m: mf.Manifest, todo: list,
@@ -187,10 +190,11 @@ class _Ring:
 
     def run(self) -> None:
         self.rc = self.gl.Dup()           # the ring's messages apart from every other call's
-        self._open_links()
+        self.links = None
         done = 0
         entry = watch_begin(self.gl, "stage:ring")
         try:
+            self._open_links()
             while done < self.rounds or any(self.held.values()):
                 moved = self.step()
                 watch_local(entry, None if moved or not self.held_by_writer() else
@@ -212,10 +216,13 @@ class _Ring:
         (hpcddp.comm.links: the rank sleeps in the kernel while it waits, where Open MPI's
         TCP transport moves bytes only while polled), else MPI's point-to-point on RC."""
         from hpcddp import settings
-        from hpcddp.comm import links
-        self.links = None
-        if settings.get().ring_transport == "tcp" and self.g <= MAX_LINKED_LEADERS:
+        from hpcddp.comm import MPI, links
+        wanted = settings.get().ring_transport == "tcp" and self.g <= MAX_LINKED_LEADERS
+        if self.rc.allreduce(int(wanted), op=MPI.MIN):      # every leader, or none
             self.links = links.Links.make(self.rc, channels=self.g)
+        if self.links is not None and not links.faster_than_mpi(self.links, PROBE_BYTES):
+            self.links.close()        # MPI's own transport is faster here (a fabric, not TCP)
+            self.links = None
         if self.links is not None:
             self.sends = [links.Pipe(self.links, s, True) for s in self.links.outs]
             self.recvs = [links.Pipe(self.links, s, False) for s in self.links.intos]
@@ -235,12 +242,15 @@ class _Ring:
     def _wait(self) -> None:
         """Nothing could move: wait a little for the network (or the reader, or the writer)."""
         from hpcddp.comm import MPI, links
+        # the verdicts' MPI sends move only while MPI is called, on TCP links too
+        MPI.Request.Testall([q for d in self.held.values() for e in d for q in e[0]
+                             if isinstance(q, MPI.Request)] +
+                            [e[2] for st in self.streams for e in st.posted
+                             if isinstance(e[2], MPI.Request)])
         if self.links is not None:
             links.wait_any(self.sends + self.recvs, RING_POLL_S)
-            return
-        MPI.Request.Testall([q for d in self.held.values() for e in d for q in e[0]] +
-                            [e[2] for st in self.streams for e in st.posted if e[2]])
-        time.sleep(RING_POLL_S)
+        else:
+            time.sleep(RING_POLL_S)
 
     def pass_on(self, origin, slot, pieces, verdicts) -> None:
         """Send SLOT right unless it ends its way here; keep it until sent, then write it."""
@@ -256,6 +266,9 @@ class _Ring:
     def step(self) -> bool:
         """Do what can be done now without waiting; whether anything moved."""
         moved = False
+        if self.links is not None:     # every queued transfer moves, not only the heads tested
+            for pipe in self.sends + self.recvs:
+                pipe.progress()
         while (self.sent < len(self.mine) and len(self.held[self.me]) < self.share
                and self.reader.ready()):
             slot, verdicts = self.reader.next()
@@ -265,7 +278,7 @@ class _Ring:
         for st in self.streams:
             moved |= self.step_stream(st)
         for q in self.held.values():
-            while q and all(req.Test() for req in q[0][0]):
+            while q and all([req.Test() for req in q[0][0]]):   # each tested: each moves
                 _, slot, kept = q.popleft()
                 self.sink.submit(slot, kept)
                 moved = True

@@ -147,3 +147,13 @@ def test_pipes_move_queued_transfers_in_order_without_blocking():
         assert time.monotonic() < deadline
         links.wait_any([sends, recvs], 0.01)
     assert all(np.array_equal(g, d) for g, d in zip(got, data))
+
+
+def test_a_subnet_chooses_the_interfaces_in_it(monkeypatch):
+    """Open MPI's btl_tcp_if_include also takes subnets (10.1.0.0/16): the addresses in it."""
+    from hpcddp import settings
+    monkeypatch.setattr(settings, "_current", settings.read({}))
+    monkeypatch.setenv("OMPI_MCA_btl_tcp_if_include", "127.0.0.0/8")
+    assert links.local_addresses() == ["127.0.0.1"]
+    monkeypatch.setenv("OMPI_MCA_btl_tcp_if_include", "198.51.100.0/24")  # none here
+    assert links.local_addresses() == ["127.0.0.1"]
