@@ -89,7 +89,7 @@ def connect(private):
     """What a ring over PRIVATE (a duplicate of the group's communicator, collective) sends
     on: TCP links between neighbours (HPCDDP_RING_TRANSPORT=tcp, where every rank made its
     links), else PRIVATE itself (MPI's point-to-point)."""
-    if TRANSPORT == "tcp":
+    if private.allreduce(int(TRANSPORT == "tcp"), op=MPI.MIN):   # every rank, or none
         made = links.Links.make(private)
         if made is not None:
             return made
