@@ -175,3 +175,17 @@ def test_no_link_on_one_rank_means_no_links_anywhere(world, capfd):
     assert made is None
     if r == n - 1:
         assert "no TCP link for the ring" in capfd.readouterr().out
+
+
+def test_ranks_that_differ_on_the_transport_all_stay_on_mpi(world, monkeypatch):
+    """HPCDDP_RING_TRANSPORT read differently on one rank: every rank agrees on MPI's
+    point-to-point (no rank left waiting in the links' set-up), and the sum is right."""
+    n, r = world
+    monkeypatch.setattr(_ring, "TRANSPORT", "mpi" if r == n - 1 else "tcp")
+    private = hpcddp.world().mpi.Dup()
+    via = _ring.connect(private)
+    assert via is private
+    t = np.full(1 << 18, float(r))
+    _ring.all_reduce(via, t)
+    assert np.array_equal(t, np.full_like(t, n * (n - 1) / 2))
+    private.Free()
