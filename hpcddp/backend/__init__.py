@@ -57,7 +57,7 @@ def _create(opts, pg_options=None):
         tag = sum(ranks) % 4096 + 7
         sub = world.mpi.Create_group(group, tag)
         group.Free()
-        comm = Communicator(sub, f"group{list(ranks)}", ranks)
+        comm = Communicator(sub, f"group{list(ranks)}", ranks, owned=True)
         if comm.rank != opts.group_rank:
             raise RuntimeError(f"new_group: MPI rank {comm.rank} differs from torch's group rank "
                                f"{opts.group_rank} for ranks {ranks}")
@@ -215,7 +215,8 @@ def group_from_comm(comm, name: str | None = None):
         # torch numbers a group's ranks in world order (new_group sorts the list it is given):
         # renumber a duplicate of COMM the same way, or the group rank torch computes for a
         # world rank would name another process here. Collective over COMM's members only.
-        comm = Communicator(comm.mpi.Split(0, ranks[comm.rank]), comm.name, sorted(ranks))
+        comm = Communicator(comm.mpi.Split(0, ranks[comm.rank]), comm.name, sorted(ranks),
+                            owned=True)
     if not dist.is_initialized():
         raise RuntimeError("group_from_comm: call hpcddp.init_process_group() (or "
                            "dist.init_process_group('hpcddp')) first")

@@ -233,6 +233,24 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
     def supports_tensor_alloc(self, device) -> bool:
         return False
 
+    def shutdown(self) -> None:
+        """torch's ``destroy_process_group``: release what hpcddp keeps for the group (its
+        arena, ring links, private communicators) and free the MPI communicator hpcddp made
+        for it (the world's, and one given to ``group_from_comm``, stay). Local: no message.
+        While the async engine still holds queued calls, which may run on the group, the
+        state stays until ``hpcddp.finalize``."""
+        from hpcddp.collectives import engine
+        for backend in (self._others if isinstance(self._others, dict) else {}).values():
+            if hasattr(backend, "shutdown"):
+                backend.shutdown()
+        comm = self.hpcddp_comm
+        if engine.pending:
+            return
+        if comm.owned:
+            comm.free()
+        else:
+            comm.release()
+
     def __repr__(self) -> str:
         return f"ProcessGroupHPCDDP({self.hpcddp_comm.name!r}, rank={self.rank()}, size={self.size()})"
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import ctypes
 import os
 import secrets
-import weakref
 
 import numpy as np
 
@@ -89,7 +88,6 @@ def copy(fn, pid: int, local: int, remote: int, nbytes: int) -> bool:
     return True
 
 
-_peers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicator -> Peers|None
 
 
 def usable(comm, nbytes: int) -> bool:
@@ -102,7 +100,7 @@ def usable(comm, nbytes: int) -> bool:
 def peers(comm):
     """COMM's Peers, made on first use (collective: every rank of COMM), or None when the path
     is not open to it (several nodes, or the kernel refuses)."""
-    return _node.per_group(_peers, comm, Peers.make)
+    return comm.attached("cma", Peers.make)
 
 
 class Peers:
@@ -164,7 +162,7 @@ class Peers:
         self.ok[0] = ok
         mpi.Allreduce(MPI.IN_PLACE, self.ok, MPI.MIN)
         if not self.ok[0]:
-            _peers[comm] = None                 # every rank saw the failure: all stop alike
+            comm.attach("cma", None)            # every rank saw the failure: all stop alike
             mpi.Bcast(arr, root=root)
         return True
 

@@ -47,6 +47,9 @@ def resolve(group, fn: str) -> Communicator:
         return group
     comm = getattr(group, "hpcddp_comm", None)  # an hpcddp torch ProcessGroup
     if isinstance(comm, Communicator):
+        if comm.mpi is MPI.COMM_NULL:
+            raise ValueError(f"{fn}: group {comm.name!r} was destroyed "
+                             f"(dist.destroy_process_group)")
         return comm
     if isinstance(group, int) and group == -100:  # torch's GroupMember.NON_GROUP_MEMBER
         me = world_rank()

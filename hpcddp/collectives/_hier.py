@@ -35,13 +35,13 @@ MPI's own op, on the op's first call from MIN_BYTES, finds it faster (_node.cros
 """
 from __future__ import annotations
 
-import weakref
 
 import numpy as np
 
 from hpcddp import settings
 from hpcddp.collectives import _node, _ring
 from hpcddp.comm._mpi import MPI
+from hpcddp.comm.communicator import free_mpi
 from hpcddp.diagnostics import mismatch as _mismatch
 
 MIN_BYTES = _node.LADDER[0]
@@ -51,7 +51,6 @@ RACED = {"all_reduce": "all_reduce", "broadcast": "broadcast",
          "reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather"}
 MODE = settings.get().hier
 
-_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicator -> Hier|None
 
 
 def usable(comm, nbytes: int, op: str = "all_reduce") -> bool:
@@ -72,7 +71,7 @@ def agree(comm, entry, red=None) -> None:
 def hier(comm):
     """COMM's node layout, made on first use (collective), or None where the group is on one
     node or its nodes hold different numbers of its ranks."""
-    return _node.per_group(_groups, comm, Hier.make)
+    return comm.attached("hier", Hier.make)
 
 
 class Hier:
@@ -112,6 +111,13 @@ class Hier:
         node = mpi.Split(color=k, key=comm.rank)
         cross = mpi.Split(color=l, key=k)
         return cls(comm, node, cross, where)
+
+    def close(self) -> None:
+        """Free the node and cross communicators and close the ring between nodes."""
+        if self.cross_ring is not None:
+            _ring.close(self.cross_ring)
+        free_mpi(self.node)
+        free_mpi(self.cross)
 
     def _race_pair(self, op: str, nbytes: int):
         """This path's OP and MPI's on NBYTES of scratch float32 (the start-up race)."""

@@ -31,7 +31,6 @@ from hpcddp.comm._mpi import MPI
 TAG = 7
 SEQUENCES = (list, tuple)   # what a tensor list may be (hot-path test: type(x) in SEQUENCES)
 _MAX_RANKS = settings.get().list_p2p_max_ranks
-_side: dict = {}   # Communicator.uid -> mpi4py Intracomm (a Dup of the group's)
 _RedOpType = dist.ReduceOp.RedOpType
 
 
@@ -44,10 +43,11 @@ def use_p2p(comm, block: int = 0) -> bool:
 
 def side_comm(comm):
     """The group's private duplicate for list-form messages (collective on first use)."""
-    side = _side.get(comm.uid)
-    if side is None:
-        side = _side[comm.uid] = comm.mpi.Dup()
-    return side
+    return comm.attached("lists", _dup)
+
+
+def _dup(comm):
+    return comm.mpi.Dup()
 
 
 def _exchange(side, r: int, n: int, sends, recvs, async_op: bool):

@@ -16,17 +16,6 @@ from hpcddp.comm._mpi import MPI
 decisions: list[dict] = []
 
 
-def per_group(cache, comm, make):
-    """CACHE[COMM] (a WeakKeyDictionary: a freed group drops its entry), made by MAKE(COMM)
-    on first use: collective, every rank of COMM calls it for the same op."""
-    try:
-        return cache[comm]
-    except KeyError:
-        pass
-    made = cache[comm] = make(comm)
-    return made
-
-
 def one_node(comm) -> bool:
     """Whether every rank of COMM runs on this node (collective; the same answer everywhere)."""
     node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED)

@@ -22,7 +22,6 @@ they go over its own connections (or its private communicator).
 """
 from __future__ import annotations
 
-import weakref
 
 import numpy as np
 
@@ -30,6 +29,7 @@ from hpcddp import settings
 from hpcddp.collectives import _node
 from hpcddp.comm import links
 from hpcddp.comm._mpi import MPI
+from hpcddp.comm.communicator import free_mpi
 
 MIN_BYTES = 1 << 20
 LADDER = tuple(n for n in _node.LADDER if MIN_BYTES <= n <= 8 << 20)
@@ -41,7 +41,6 @@ TRANSPORT = settings.get().ring_transport
 ADDABLE = frozenset(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
 _TAG_RS, _TAG_AG = 1, 2
 
-_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicator -> Ring|None
 
 
 def usable(comm, nbytes: int, arr, mop) -> bool:
@@ -54,7 +53,7 @@ def usable(comm, nbytes: int, arr, mop) -> bool:
 
 def ring(comm):
     """COMM's ring, made on first use (collective), or None where the group is on one node."""
-    return _node.per_group(_groups, comm, Ring.make)
+    return comm.attached("ring", Ring.make)
 
 
 class Ring:
@@ -84,6 +83,9 @@ class Ring:
         """ARR (contiguous, 1-D) summed over the group's ranks, in place on every rank."""
         all_reduce(self.via, arr)
 
+    def close(self) -> None:
+        close(self.via)
+
 
 def connect(private):
     """What a ring over PRIVATE (a duplicate of the group's communicator, collective) sends
@@ -94,6 +96,14 @@ def connect(private):
         if made is not None:
             return made
     return private
+
+
+def close(via) -> None:
+    """End what :func:`connect` made: the links and their communicator, or the communicator."""
+    if isinstance(via, links.Links):
+        via.close()
+        via = via.mpi
+    free_mpi(via)
 
 
 def all_reduce(via, arr: np.ndarray) -> None:

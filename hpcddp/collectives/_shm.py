@@ -43,7 +43,6 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-import weakref
 
 import torch
 
@@ -62,8 +61,6 @@ KINDS = (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
 ENV_MODE = "HPCDDP_SHM_ALLREDUCE"
 MODE = settings.get().shm_allreduce
 
-_arenas: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicator -> Arena|None
-
 
 # the ops of the table served by the arena -> the op its race measures
 RACED = {"all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter",
@@ -81,7 +78,7 @@ def usable(comm, nbytes: int, dtype, kind, op: str = "all_reduce") -> bool:
 def arena(comm):
     """COMM's arena, made on first use (collective: every rank of COMM), or None if it cannot
     have one (ranks on several nodes, no /dev/shm, no room)."""
-    return _node.per_group(_arenas, comm, Arena.make)
+    return comm.attached("shm", Arena.make)
 
 
 CALL_LINE = 64            # bytes per rank for its call's hash: a cache line each, no false sharing
@@ -162,6 +159,14 @@ class Arena:
                 mem.close()
             return None
         return cls(comm, mem, slot)
+
+    def close(self) -> None:
+        """Unmap the arena (its group has ended; the name was unlinked when it was made)."""
+        self.bytes = self.calls = None     # the views that export the mapping
+        try:
+            self.mem.close()
+        except BufferError:                # a view still held elsewhere: unmapped with it
+            pass
 
     def all_reduce(self, flat: torch.Tensor, check=None) -> bool:
         """SUM FLAT (1-D, contiguous, CPU) in place across the group. CHECK: the call's hash

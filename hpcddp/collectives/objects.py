@@ -11,7 +11,6 @@ from mpi4py.util import pkl5
 from hpcddp.collectives import engine as _engine
 from hpcddp.collectives._common import record, record_end, resolve
 
-_pkl5: dict = {}
 
 
 def _ready(group, fn: str):
@@ -23,10 +22,11 @@ def _ready(group, fn: str):
 
 
 def _p5(comm):
-    c = _pkl5.get(comm.uid)
-    if c is None:
-        c = _pkl5[comm.uid] = pkl5.Intracomm(comm.mpi)
-    return c
+    return comm.attached("pkl5", _pkl5)
+
+
+def _pkl5(comm):
+    return pkl5.Intracomm(comm.mpi)      # the group's own handle, not a duplicate
 
 
 def broadcast_object(obj, src=0, group=None):

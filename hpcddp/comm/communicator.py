@@ -6,21 +6,30 @@ Per-communicator sequence numbers count ops, as torch does per process group: th
 diagnostics compare them across ranks to name who is where. ``timeout`` is the group's own
 stall timeout in seconds (torch's ``init_process_group``/``new_group(timeout=...)``); None
 means the job's (HPCDDP_TIMEOUT).
+
+What hpcddp's paths keep for a group (the shared-memory arena, the ring's TCP links, private
+duplicates for list-form and object messages) is *attached* to its Communicator and released
+with it: :meth:`release` when torch destroys the group (``dist.destroy_process_group``), and
+the MPI communicator itself freed too where hpcddp made it (``owned``; a communicator a user
+handed to ``group_from_comm`` stays the user's).
 """
 from __future__ import annotations
 
 import itertools
+import weakref
 
 from hpcddp.comm._mpi import MPI
 
 _ids = itertools.count()
+_holding: "weakref.WeakSet" = weakref.WeakSet()   # Communicators with attached state
+_PREDEFINED = (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL)
 
 
 class Communicator:
     __slots__ = ("mpi", "rank", "size", "name", "world_ranks", "seq", "uid", "timeout",
-                 "__weakref__")
+                 "owned", "_attached", "__weakref__")
 
-    def __init__(self, mpi_comm, name: str = "", world_ranks=None):
+    def __init__(self, mpi_comm, name: str = "", world_ranks=None, owned: bool = False):
         self.mpi = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
@@ -31,6 +40,8 @@ class Communicator:
         self.seq = 0
         self.uid = next(_ids)
         self.timeout: float | None = None
+        self.owned = owned            # hpcddp made the MPI communicator: the group's end frees it
+        self._attached: dict = {}
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank={self.rank}, size={self.size})"
@@ -44,13 +55,64 @@ class Communicator:
                              f"{self.size} (valid: 0..{self.size - 1})")
         return r
 
+    def attached(self, key: str, make):
+        """What the path KEY keeps for this group: made by MAKE(self) on first use (collective:
+        every rank of the group asks for the same KEY in the same call), released with it."""
+        try:
+            return self._attached[key]
+        except KeyError:
+            pass
+        made = self.attach(key, make(self))
+        return made
+
+    def attach(self, key: str, value):
+        """Keep VALUE as KEY's state (None: the path does not serve this group)."""
+        self._attached[key] = value
+        _holding.add(self)
+        return value
+
+    def release(self) -> None:
+        """Close what the paths keep for this group (each object's ``close()``, each private
+        MPI communicator freed once), keeping the group's own MPI communicator: a later call
+        makes the state again. Local: no message is sent."""
+        attached, self._attached = self._attached, {}
+        _holding.discard(self)
+        for value in attached.values():
+            self._close(value)
+
+    def _close(self, value) -> None:
+        if isinstance(value, tuple):
+            for v in value:
+                self._close(v)
+        elif isinstance(value, MPI.Comm):
+            # a wrapper of the group's own handle (mpi4py's pkl5) is freed with the group
+            if value not in _PREDEFINED and value != self.mpi:
+                free_mpi(value)
+        elif hasattr(value, "close"):
+            value.close()
+
     def free(self) -> None:
-        if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
-            try:
-                self.mpi.Free()
-            except MPI.Exception:
-                pass
+        """:meth:`release`, then free the MPI communicator (MPI's predefined ones stay)."""
+        self.release()
+        if self.mpi not in _PREDEFINED:
+            free_mpi(self.mpi)
         self.mpi = MPI.COMM_NULL
+
+
+def free_mpi(mpi_comm) -> None:
+    """MPI_Comm_free where it can still be done (local in Open MPI: no message waits)."""
+    if MPI.Is_finalized():
+        return
+    try:
+        mpi_comm.Free()
+    except MPI.Exception:      # already freed, or its processes lost (ULFM): nothing to do
+        pass
+
+
+def release_all() -> None:
+    """Release every group's attached state (hpcddp.finalize, before MPI_Finalize)."""
+    for comm in list(_holding):
+        comm.release()
 
 
 # The numbering world ranks are given in: MPI_COMM_WORLD's ranks, until hpcddp.elastic grows

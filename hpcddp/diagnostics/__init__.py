@@ -128,7 +128,8 @@ def shutdown_diagnostics() -> None:
     """
     global _watchdog
     from hpcddp.comm._mpi import MPI
-    from hpcddp.diagnostics import mismatch, recorder
+    from hpcddp.comm.communicator import release_all
+    from hpcddp.diagnostics import recorder
     from hpcddp.launch import process
     if not process.in_rank_process():     # a forked child exiting: the watchdog is the rank's
         return
@@ -141,7 +142,6 @@ def shutdown_diagnostics() -> None:
     with _lock:
         wd, _watchdog = _watchdog, None
     if wd is None or MPI.Is_finalized():
-        mismatch._dups.clear()
         return
     now = recorder._now()
     for e in list(recorder.RECORDER.buf):
@@ -157,4 +157,4 @@ def shutdown_diagnostics() -> None:
     finally:
         recorder.end(entry)
         wd.stop()
-        mismatch.free_dups()
+        release_all()           # what the paths kept for each group, before MPI_Finalize

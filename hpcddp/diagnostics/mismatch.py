@@ -267,16 +267,14 @@ def _disagree(comm, entry, row: list) -> None:
     raise CollectiveMismatchError(agreement_message(comm.name, comm.world_ranks, rows))
 
 
-_agreements: dict = {}   # comm uid -> (private duplicate, 2-word buffer, MPI.MIN, MPI.IN_PLACE)
-
-
 def _agreement(comm):
-    a = _agreements.get(comm.uid)
-    if a is None:
-        from hpcddp.comm._mpi import MPI
-        a = _agreements[comm.uid] = (_dup(comm)[0], np.zeros(2, dtype=np.int64), MPI.MIN,
-                                     MPI.IN_PLACE)
-    return a
+    """(private duplicate, 2-word buffer, MPI.MIN, MPI.IN_PLACE): the group's agreement."""
+    return comm.attached("agreement", _make_agreement)
+
+
+def _make_agreement(comm):
+    from hpcddp.comm._mpi import MPI
+    return (_dup(comm)[0], np.zeros(2, dtype=np.int64), MPI.MIN, MPI.IN_PLACE)
 
 
 def _call_text(row, op_shown: bool) -> str:
@@ -321,15 +319,17 @@ def agreement_message(group: str, world_ranks, rows) -> str:
             f"reduce op and root.")
 
 
-_dups: dict = {}      # comm uid -> (private duplicate, receive buffer)
 _start = _rec.start
 
 
 def _dup(comm):
-    d = _dups.get(comm.uid)
-    if d is None:  # collective over comm: its first checked op runs it on every member
-        d = _dups[comm.uid] = (comm.mpi.Dup(), array.array("q", bytes(8 * K * comm.size)))
-    return d
+    """(private duplicate, receive buffer): collective over COMM, its first checked op runs
+    it on every member."""
+    return comm.attached("mismatch", _make_dup)
+
+
+def _make_dup(comm):
+    return comm.mpi.Dup(), array.array("q", bytes(8 * K * comm.size))
 
 
 def checked_start(comm, op: str, shape=None, dtype=None, peer=None, red=None) -> list:
@@ -354,12 +354,3 @@ def check_recorded(comm, entry, red=None) -> None:
             raise CollectiveMismatchError(mismatch_message(comm.name, comm.world_ranks, table))
 
 
-def free_dups() -> None:
-    from hpcddp.comm._mpi import MPI
-    _agreements.clear()
-    for d, _ in list(_dups.values()):
-        try:
-            d.Free()
-        except MPI.Exception:
-            pass
-    _dups.clear()

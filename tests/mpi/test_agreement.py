@@ -8,13 +8,13 @@ torch.distributed. The sizes: 16 MiB, and 16 MiB minus 4000 bytes on the odd ran
 """
 from __future__ import annotations
 
-import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import hpcddp
+from hpcddp.comm import startup as _rt
 from hpcddp.collectives import _cma, _shm
 from hpcddp.diagnostics.mismatch import AGREE_BYTES, CollectiveMismatchError
 
@@ -35,7 +35,7 @@ def path(request, monkeypatch):
         monkeypatch.setattr(_shm, "MODE", "0")      # HPCDDP_SHM_ALLREDUCE=0
     else:   # HPCDDP_SHM_ALLREDUCE=force, a fresh arena (the start-up race may pick MPI)
         monkeypatch.setattr(_shm, "MODE", "force")
-        monkeypatch.setattr(_shm, "_arenas", weakref.WeakKeyDictionary())
+        monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     return request.param
 
 
@@ -106,7 +106,7 @@ def test_arena_agrees_below_the_agreement_size(world, op, differs, monkeypatch):
     """From 1 MiB the arena compares the calls' hashes after its first barrier: 2 MiB against
     2 MiB - 4000 B, int32 against float32, AVG against SUM."""
     monkeypatch.setattr(_shm, "MODE", "force")
-    monkeypatch.setattr(_shm, "_arenas", weakref.WeakKeyDictionary())
+    monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     n, c = dist.get_world_size(), (2 << 20) // 4
     dtype, red = torch.float32, dist.ReduceOp.SUM
     if odd():
@@ -137,7 +137,7 @@ def test_cma_broadcast_agrees_below_the_agreement_size(world, differs, monkeypat
     exchange carries the call's hash: a different root would have had ranks write into each
     other's tensors."""
     monkeypatch.setattr(_cma, "MODE", "force")
-    monkeypatch.setattr(_cma, "_peers", weakref.WeakKeyDictionary())
+    monkeypatch.delitem(_rt.world()._attached, "cma", raising=False)   # fresh peers
     c, dtype, src = (2 << 20) // 4, torch.float32, 0
     if odd():
         if differs == "count":

@@ -5,7 +5,6 @@ are off: on one real host they would take these calls first. tests/test_vcluster
 nodes (separate hosts, TCP between them)."""
 from __future__ import annotations
 
-import weakref
 
 
 import numpy as np
@@ -27,7 +26,7 @@ def forced(monkeypatch):
     monkeypatch.setattr(_shm, "MODE", "0")
     monkeypatch.setattr(_cma, "MODE", "0")
     monkeypatch.setattr(_hier, "MODE", "force")
-    monkeypatch.setattr(_hier, "_groups", weakref.WeakKeyDictionary())
+    monkeypatch.delitem(hpcddp.world()._attached, "hier", raising=False)   # made afresh
 
 
 @pytest.fixture(scope="module")

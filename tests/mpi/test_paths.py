@@ -3,12 +3,12 @@ really do. Each row's state on the world group is checked against the path a cal
 row's kind takes (a spy on the path's entry point), with the switch on, forced and off."""
 from __future__ import annotations
 
-import weakref
 
 import pytest
 import torch
 
 import hpcddp
+from hpcddp.comm import startup as _rt
 from hpcddp import collectives as C
 from hpcddp.collectives import _cma, _lists, _node, _shm, paths
 
@@ -38,7 +38,7 @@ def _state(world, op, path):
 @pytest.mark.parametrize("mode", ["force", "0"])
 def test_arena_row_is_the_path_all_reduce_takes(world, mode, monkeypatch):
     monkeypatch.setattr(_shm, "MODE", mode)
-    monkeypatch.setattr(_shm, "_arenas", weakref.WeakKeyDictionary())
+    monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     monkeypatch.setattr(paths.settings, "_current",
                         paths.settings.get().replace(shm_allreduce=mode))
     state = _state(world, "all_reduce", "shm arena")
@@ -57,7 +57,7 @@ def test_arena_row_is_the_path_all_reduce_takes(world, mode, monkeypatch):
 @pytest.mark.parametrize("mode", ["force", "0"])
 def test_cma_row_is_the_path_broadcast_takes(world, mode, monkeypatch):
     monkeypatch.setattr(_cma, "MODE", mode)
-    monkeypatch.setattr(_cma, "_peers", weakref.WeakKeyDictionary())
+    monkeypatch.delitem(_rt.world()._attached, "cma", raising=False)   # fresh peers
     monkeypatch.setattr(paths.settings, "_current", paths.settings.get().replace(cma=mode))
     state = _state(world, "broadcast", "CMA")
     calls = _spy(monkeypatch, _cma.Peers, "broadcast")
@@ -110,7 +110,7 @@ def test_a_path_serves_each_op_from_the_size_its_race_found(world, monkeypatch):
     so every rank hands those sizes to MPI; it wins reduce_scatter from the first size raced.
     Every rank takes the same path for the same call, and each op is raced once."""
     monkeypatch.setattr(_shm, "MODE", "auto")
-    monkeypatch.setattr(_shm, "_arenas", weakref.WeakKeyDictionary())
+    monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     monkeypatch.setattr(paths.settings, "_current",
                         paths.settings.get().replace(shm_allreduce="auto"))
     slow_below = 2 << 20
@@ -145,7 +145,7 @@ def test_a_path_serves_each_op_from_the_size_its_race_found(world, monkeypatch):
 
 def test_a_path_that_loses_at_every_size_is_closed_and_says_why(world, monkeypatch):
     monkeypatch.setattr(_cma, "MODE", "auto")
-    monkeypatch.setattr(_cma, "_peers", weakref.WeakKeyDictionary())
+    monkeypatch.delitem(_rt.world()._attached, "cma", raising=False)   # fresh peers
     monkeypatch.setattr(paths.settings, "_current", paths.settings.get().replace(cma="auto"))
     raced = _forced_race(monkeypatch, _cma.Peers, lambda op, nbytes, rank: (2e-3, 1e-3))
     calls = _spy(monkeypatch, _cma.Peers, "broadcast")

@@ -5,6 +5,8 @@ bits on every rank, the rows it leaves to MPI, and user messages with the same t
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -188,3 +190,28 @@ def test_ranks_that_differ_on_the_transport_all_stay_on_mpi(world, monkeypatch):
     _ring.all_reduce(via, t)
     assert np.array_equal(t, np.full_like(t, n * (n - 1) / 2))
     private.Free()
+
+
+def test_a_destroyed_group_closes_its_links(world):
+    """dist.destroy_process_group(g) closes the ring's TCP links and frees its communicators
+    at once (not when Python's garbage collector gets to them): a job that makes and destroys
+    groups keeps its sockets and descriptors flat; the remaining groups' rings still sum."""
+    n, r = world
+    fds = None
+    for round_ in range(8):
+        g = dist.new_group(list(range(n)))
+        t = torch.full((1 << 18,), float(r))
+        dist.all_reduce(t, group=g)
+        assert torch.equal(t, torch.full_like(t, float(sum(range(n)))))
+        ring = _ring.ring(g.hpcddp_comm)
+        assert isinstance(ring.via, links.Links)
+        sockets = ring.via.outs + ring.via.intos
+        dist.destroy_process_group(g)
+        assert all(s.fileno() == -1 for s in sockets), sockets
+        assert g.hpcddp_comm._attached == {}
+        if round_ == 1:
+            fds = len(os.listdir("/proc/self/fd"))
+    assert len(os.listdir("/proc/self/fd")) <= fds + 1
+    t = torch.ones(1 << 18)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full_like(t, float(n)))

@@ -25,9 +25,11 @@ import hpcddp.elastic as elastic
 
 def _rings_on_links() -> int:
     """How many of this process's groups ran the ring path over TCP links."""
-    from hpcddp.collectives import _ring
+    import gc
     from hpcddp.comm import links
-    return sum(isinstance(getattr(r, "via", None), links.Links) for r in _ring._groups.values())
+    from hpcddp.comm.communicator import Communicator
+    rings = [c._attached.get("ring") for c in gc.get_objects() if isinstance(c, Communicator)]
+    return sum(isinstance(getattr(r, "via", None), links.Links) for r in rings)
 
 
 def main():
