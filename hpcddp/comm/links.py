@@ -26,6 +26,7 @@ import select
 import socket
 import struct
 import time
+import weakref
 
 import numpy as np
 
@@ -102,6 +103,7 @@ class Links:
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.outs, self.intos = outs, intos
         self.out, self.into = outs[0], intos[0]
+        _open.add(self)
 
     @classmethod
     def make(cls, mpi_comm, channels: int = 1):
@@ -171,6 +173,23 @@ class Links:
         """Let MPI say whether a process of the group was lost (raises MPI_ERR_PROC_FAILED
         under ULFM; a no-op otherwise)."""
         self.mpi.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+
+
+_open: "weakref.WeakSet" = weakref.WeakSet()    # this process's Links
+
+
+def _close_in_forked_child() -> None:
+    """A forked child (a DataLoader worker) drops its copies of the links' descriptors: a
+    copy would keep a connection open after its rank's process died (killed from outside),
+    and the neighbours would wait for a stream that never ends. Close, not shutdown: the
+    parent's connection is untouched."""
+    for made in list(_open):
+        for s in made.outs + made.intos:
+            s.close()
+        made.broken = "closed in a forked child (the links are its parent's)"
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 def _world_rank(mpi_comm, rank: int) -> int:

@@ -157,3 +157,42 @@ def test_a_subnet_chooses_the_interfaces_in_it(monkeypatch):
     assert links.local_addresses() == ["127.0.0.1"]
     monkeypatch.setenv("OMPI_MCA_btl_tcp_if_include", "198.51.100.0/24")  # none here
     assert links.local_addresses() == ["127.0.0.1"]
+
+
+def test_a_rank_killed_from_outside_ends_its_links_though_a_forked_child_lives():
+    """A rank process holding links forks a child that outlives it (a DataLoader worker whose
+    parent the OOM killer took): the neighbour sees the stream end when the rank is killed,
+    not when the child exits, because a forked child closes its copies of the descriptors."""
+    import os
+    import signal
+    out_sock, in_sock = socket.socketpair()
+    ready_r, ready_w = os.pipe()
+    rank = os.fork()
+    if rank == 0:                                   # the rank process
+        try:
+            in_sock.close()
+            made = links.Links(_FakeComm(0, 2), [out_sock], [out_sock])   # held to the end
+            worker = os.fork()
+            if worker == 0:                         # its worker: sleeps past the rank's end
+                time.sleep(30)
+                os._exit(0)
+            os.write(ready_w, worker.to_bytes(4, "little"))
+            time.sleep(30)
+            made.close()
+        finally:
+            os._exit(1)
+    out_sock.close()
+    worker = int.from_bytes(os.read(ready_r, 4), "little")
+    os.kill(rank, signal.SIGKILL)
+    os.waitpid(rank, 0)
+    in_sock.settimeout(5.0)
+    try:
+        start = time.monotonic()
+        assert in_sock.recv(1) == b""               # the end, while the worker still sleeps
+        assert time.monotonic() - start < 2.0
+        os.kill(worker, 0)                          # (it does: raises if it is gone)
+    finally:
+        os.kill(worker, signal.SIGKILL)
+    in_sock.close()
+    os.close(ready_r)
+    os.close(ready_w)
