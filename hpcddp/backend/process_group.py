@@ -15,6 +15,11 @@ group's registered backends: its name and description, ``_get_backend(device)``,
 ``_device_types``, sequence numbers. A device map such as ``cpu:hpcddp,cuda:nccl`` is served
 by real per-device backends: torch hands the whole group to hpcddp, which creates the other
 backends itself (:mod:`hpcddp.backend.devices`) and sends each tensor to its device's backend.
+
+This module is the torch API only; what a call needs before it reaches hpcddp's ops lives
+beside it, one module each: :mod:`~hpcddp.backend.routing` (the device map, the retry on
+contiguous copies), :mod:`~hpcddp.backend.strided`, :mod:`~hpcddp.backend.sparse` (sparse
+all_reduce) and :mod:`~hpcddp.backend.coalesced`.
 """
 from __future__ import annotations
 
@@ -24,16 +29,12 @@ import torch
 import torch.distributed as dist
 
 from hpcddp import collectives as C
-from hpcddp.collectives.work import AllWork, CompletedWork, TorchP2PWork, Work, _keepalive
-from hpcddp.comm.buffers import NotContiguous, TensorError, as_array
+from hpcddp.backend import BACKEND_NAME, coalesced, sparse
+from hpcddp.backend.routing import routed
+from hpcddp.backend.strided import through_contiguous
+from hpcddp.collectives.work import TorchP2PWork
+from hpcddp.comm.buffers import NotContiguous, TensorError
 from hpcddp.comm.communicator import Communicator
-
-from hpcddp.backend import BACKEND_NAME
-
-
-def _combine(works, result) -> Work:
-    """One Work over several started ops (coalesced calls)."""
-    return AllWork([w for w in works if w is not None], result)
 
 
 def _for_torch(work):
@@ -46,108 +47,6 @@ def _blocking(opts) -> bool:
 
 
 _UNRESOLVED = object()   # truthy: the first op asks torch for the group's device map
-
-
-def _first_tensor(x):
-    while isinstance(x, (list, tuple)):
-        if not x:
-            return None
-        x = x[0]
-    return x
-
-
-def _contiguous(x, staged: list):
-    """X with every non-contiguous tensor in it replaced by a contiguous copy (noted in STAGED
-    as (view, copy) pairs); lists and tuples are walked, other values kept."""
-    if isinstance(x, torch.Tensor):
-        if x.layout == torch.strided and not x.is_contiguous():
-            copy = x.contiguous()
-            staged.append((x, copy))
-            return copy
-        return x
-    if isinstance(x, (list, tuple)):
-        return type(x)(_contiguous(v, staged) for v in x)
-    return x
-
-
-class StagedWork(dist._Work):
-    """The Work of an op run on contiguous copies: its wait() copies them back into the
-    caller's strided views (copy_ writes only the view's own elements)."""
-
-    def __init__(self, inner, staged, result):
-        super().__init__()
-        self._inner, self._staged, self._result = inner, staged, result
-        _keepalive.append(self)     # torch may keep only the C++ side (see work.py)
-
-    def wait(self, timeout=None) -> bool:
-        if self._staged is not None:
-            self._inner.wait()
-            _copy_back(self._staged)
-            self._staged = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self._staged is None or self._inner.is_completed()
-
-    def result(self):
-        return self._result
-
-    def source_rank(self) -> int:
-        self.wait()
-        return self._inner._source_rank()
-
-    _source_rank = source_rank
-
-    def get_future(self):
-        self.wait()
-        fut = torch.futures.Future()
-        fut.set_result(self._result)
-        return fut
-
-
-def _copy_back(staged) -> None:
-    # an input's copy holds what it held (MPI does not write send buffers): copying every
-    # staged tensor back is right for inputs and outputs alike
-    for view, copy in staged:
-        view.copy_(copy)
-
-
-def _through_contiguous(method, self, args):
-    """Run METHOD on contiguous copies of ARGS' strided tensors, as gloo accepts them."""
-    staged: list = []
-    args = _contiguous(args, staged)
-    if not staged:
-        raise RuntimeError(f"{method.__name__}: hpcddp found a non-contiguous tensor but none "
-                           f"among the arguments")
-    work = method(self, *args)
-    originals = [v for v, _ in staged]
-    if work is None:             # a blocking call has completed
-        _copy_back(staged)
-        return None
-    return StagedWork(work, staged, originals)
-
-
-def _routed(method, name: str | None = None):
-    """Send the op to another device's backend where the group's device map says so
-    (``cpu:hpcddp,cuda:nccl``: CUDA tensors go to NCCL); hpcddp's own op otherwise, on
-    contiguous copies where a tensor is a strided view (the ops refuse those before any
-    message, so the retry sends nothing twice)."""
-    name = name or method.__name__
-
-    def op(self, *args):     # torch passes positional arguments only
-        if self._others:   # a device map with other backends (or not yet read: the first op reads it)
-            others = self._other_backends()
-            t = _first_tensor(args[0]) if args else None
-            if t is not None and not t.is_cpu and t.device.type in others:
-                return getattr(others[t.device.type], name)(*args)
-        try:
-            return method(self, *args)
-        except NotContiguous:
-            return _through_contiguous(method, self, args)
-    op.__name__ = op.__qualname__ = name
-    op.__doc__ = method.__doc__
-    op.__wrapped__ = method
-    return op
 
 
 class ProcessGroupHPCDDP(dist.ProcessGroup):
@@ -256,7 +155,7 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
 
     # -- reductions -------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        # the hottest op: _routed's checks written out here, without its extra call
+        # the hottest op: routed's checks written out here, without its extra call
         if self._others:
             return _routed_allreduce(self, tensors, opts)
         return self._allreduce_here(tensors, opts)
@@ -270,147 +169,96 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
                     return C.all_reduce(tensors[0], op, self.hpcddp_comm, False)
                 return C.all_reduce(tensors[0], op, self.hpcddp_comm, True)
             except NotContiguous:
-                return _through_contiguous(ProcessGroupHPCDDP._allreduce_here, self,
-                                           (tensors, opts))
+                return through_contiguous(ProcessGroupHPCDDP._allreduce_here, self,
+                                          (tensors, opts))
             except TensorError:
                 if tensors[0].layout != torch.sparse_coo:
                     raise
-                return self._sparse_allreduce(tensors[0], op)
+                return sparse.all_reduce(self.hpcddp_comm, tensors[0], op)
         return self.allreduce_coalesced(tensors, opts)
 
-    def _sparse_allreduce(self, tensor, op):
-        """all_reduce of a sparse COO tensor, as gloo does it: every rank gathers every rank's
-        indices and values (padded to the largest nnz), sums and coalesces them in rank order
-        (so every rank computes the same floats), and TENSOR becomes the sum in place."""
-        fn = "all_reduce"
-        if getattr(op, "op", op) != dist.ReduceOp.SUM:
-            raise ValueError(f"{fn}: a sparse tensor can only be reduced with ReduceOp.SUM "
-                             f"(as gloo), got {op}")
-        comm, n = self.hpcddp_comm, self.size()
-        mine = tensor.coalesce()
-        sizes = torch.tensor(list(tensor.shape), dtype=torch.int64)
-        shapes = torch.empty(n * sizes.numel(), dtype=torch.int64)
-        C.all_gather_into_tensor(shapes, sizes, comm, False)
-        if not torch.equal(shapes.view(n, -1), sizes.expand(n, -1)):
-            raise ValueError(f"{fn}: sparse tensors differ in shape between ranks: "
-                             f"{shapes.view(n, -1).tolist()} (rank order); every rank must pass "
-                             f"the same shape")
-        nnz = torch.empty(n, dtype=torch.int64)
-        C.all_gather_into_tensor(nnz, torch.tensor([mine._nnz()], dtype=torch.int64), comm, False)
-        most = int(nnz.max())
-        idx, val = mine.indices(), mine.values()
-        pad_idx = idx.new_zeros((idx.shape[0], most))
-        pad_idx[:, :idx.shape[1]] = idx
-        pad_val = val.new_zeros((most, *val.shape[1:]))
-        pad_val[:val.shape[0]] = val
-        all_idx = idx.new_empty((n, *pad_idx.shape))
-        all_val = val.new_empty((n, *pad_val.shape))
-        C.all_gather_into_tensor(all_idx, pad_idx.contiguous(), comm, False)
-        C.all_gather_into_tensor(all_val, pad_val.contiguous(), comm, False)
-        parts = [(all_idx[r][:, :int(nnz[r])], all_val[r][:int(nnz[r])]) for r in range(n)]
-        total = torch.sparse_coo_tensor(torch.cat([i for i, _ in parts], 1),
-                                        torch.cat([v for _, v in parts]), tensor.shape,
-                                        dtype=tensor.dtype).coalesce()
-        tensor.copy_(total)
-        return CompletedWork([tensor])
-
-    @_routed
+    @routed
     def allreduce_coalesced(self, tensors, opts=None):
-        # one MPI call over a flat copy: fewer, larger messages (what "coalesced" promises)
-        op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
-        if not tensors:
-            return CompletedWork([])
-        for i, t in enumerate(tensors):
-            as_array(t, "allreduce_coalesced", f"tensors[{i}]")
-            if t.dtype != tensors[0].dtype:
-                raise TypeError(f"allreduce_coalesced: tensors[{i}] has dtype {t.dtype}, expected "
-                                f"{tensors[0].dtype} (one dtype per coalesced call)")
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        C.all_reduce(flat, op, self.hpcddp_comm, False)  # all_reduce is blocking in MPI anyway
-        off = 0
-        for t in tensors:
-            n = t.numel()
-            t.view(-1).copy_(flat[off:off + n])
-            off += n
-        return CompletedWork(list(tensors))
+        return coalesced.all_reduce(self.hpcddp_comm, tensors,
+                                    getattr(opts, "reduceOp", dist.ReduceOp.SUM))
 
-    @_routed
+    @routed
     def reduce(self, tensors, opts):
         return C.reduce(tensors[0], opts.rootRank, opts.reduceOp, self.hpcddp_comm,
                         not _blocking(opts))
 
-    @_routed
+    @routed
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         return C.reduce_scatter(output_tensors[0], input_tensors[0], opts.reduceOp,
                                 self.hpcddp_comm, not _blocking(opts))
 
-    @_routed
+    @routed
     def _reduce_scatter_base(self, output, input, opts):
         return C.reduce_scatter_tensor(output, input, opts.reduceOp, self.hpcddp_comm,
                                        not _blocking(opts))
 
     reduce_scatter_single = _reduce_scatter_base
 
-    @_routed
+    @routed
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
-        return _combine([self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)],
+        return coalesced.combine([self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)],
                         list(outputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     # -- data movement ------------------------------------------------------------------------
-    @_routed
+    @routed
     def broadcast(self, tensors, opts):
         if len(tensors) == 1:
             return C.broadcast(tensors[0], opts.rootRank, self.hpcddp_comm, not _blocking(opts))
-        return _combine([C.broadcast(t, opts.rootRank, self.hpcddp_comm, True) for t in tensors],
+        return coalesced.combine([C.broadcast(t, opts.rootRank, self.hpcddp_comm, True) for t in tensors],
                         list(tensors))
 
-    @_routed
+    @routed
     def allgather(self, output_tensors, input_tensors, opts=None):
         return C.all_gather(output_tensors[0], input_tensors[0], self.hpcddp_comm,
                             not _blocking(opts))
 
-    @_routed
+    @routed
     def _allgather_base(self, output, input, opts=None):
         return C.all_gather_into_tensor(output, input, self.hpcddp_comm, not _blocking(opts))
 
     all_gather_single = _allgather_base
 
-    @_routed
+    @routed
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        return _combine([C.all_gather_into_tensor(o, i, self.hpcddp_comm, True)
+        return coalesced.combine([C.all_gather_into_tensor(o, i, self.hpcddp_comm, True)
                          for o, i in zip(outputs, inputs)], list(outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    @_routed
+    @routed
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         # torch's layout: output_lists[r][i] receives rank r's input_list[i]
-        return _combine([C.all_gather([out[i] for out in output_lists], t, self.hpcddp_comm, True)
+        return coalesced.combine([C.all_gather([out[i] for out in output_lists], t, self.hpcddp_comm, True)
                          for i, t in enumerate(input_list)],
                         [t for o in output_lists for t in o])
 
-    @_routed
+    @routed
     def gather(self, output_tensors, input_tensors, opts):
         out = output_tensors[0] if output_tensors else None
         return C.gather(input_tensors[0], out, opts.rootRank, self.hpcddp_comm,
                         not _blocking(opts))
 
-    @_routed
+    @routed
     def scatter(self, output_tensors, input_tensors, opts):
         inp = input_tensors[0] if input_tensors else None
         return C.scatter(output_tensors[0], inp, opts.rootRank, self.hpcddp_comm,
                          not _blocking(opts))
 
-    @_routed
+    @routed
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return C.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                    self.hpcddp_comm, not _blocking(opts))
 
     all_to_all_single = alltoall_base
 
-    @_routed
+    @routed
     def alltoall(self, output_tensors, input_tensors, opts=None):
         return C.all_to_all(output_tensors, input_tensors, self.hpcddp_comm, not _blocking(opts))
 
@@ -421,17 +269,17 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         return C.monitored_barrier(self.hpcddp_comm, timeout, wait_all_ranks)
 
-    @_routed
+    @routed
     def send(self, tensors, dst, tag=0):
         return _for_torch(C.isend(tensors[0], dst, self.hpcddp_comm, tag))
 
-    @_routed
+    @routed
     def recv(self, tensors, src, tag=0):
         return _for_torch(C.irecv(tensors[0], src, self.hpcddp_comm, tag))
 
-    @_routed
+    @routed
     def recv_anysource(self, tensors, tag=0):
         return _for_torch(C.irecv(tensors[0], None, self.hpcddp_comm, tag))
 
 
-_routed_allreduce = _routed(ProcessGroupHPCDDP._allreduce_here, "allreduce")
+_routed_allreduce = routed(ProcessGroupHPCDDP._allreduce_here, "allreduce")
