@@ -91,9 +91,10 @@ def copy(fn, pid: int, local: int, remote: int, nbytes: int) -> bool:
 
 
 def usable(comm, nbytes: int) -> bool:
-    """Whether a broadcast of NBYTES on COMM should take this path (the same answer on every
-    rank: a collective's arguments agree across ranks)."""
-    return MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and \
+    """Whether a broadcast of NBYTES (at least MIN_BYTES: the dispatch table's row tested it)
+    on COMM should take this path (the same answer on every rank: a collective's arguments
+    agree across ranks)."""
+    return MODE != "0" and comm.size > 1 and \
         _node.serves(peers(comm), "broadcast", nbytes)
 
 

@@ -54,9 +54,9 @@ MODE = settings.get().hier
 
 
 def usable(comm, nbytes: int, op: str = "all_reduce") -> bool:
-    """Whether OP (a key of RACED) of NBYTES on COMM should take this path (the same answer on
-    every rank of COMM)."""
-    return MODE != "0" and nbytes >= MIN_BYTES and comm.size > 3 and \
+    """Whether OP (a key of RACED) of NBYTES (at least MIN_BYTES: the dispatch table's row
+    tested it) on COMM should take this path (the same answer on every rank of COMM)."""
+    return MODE != "0" and comm.size > 3 and \
         _node.serves(hier(comm), RACED[op], nbytes)
 
 

@@ -44,10 +44,10 @@ _TAG_RS, _TAG_AG = 1, 2
 
 
 def usable(comm, nbytes: int, arr, mop) -> bool:
-    """Whether an all_reduce of ARR (NBYTES) with MPI op MOP on COMM takes the ring (the same
-    answer on every rank of COMM: the call's arguments agree, and the group's layout is
-    found collectively on first use)."""
-    return (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and mop == MPI.SUM
+    """Whether an all_reduce of ARR (NBYTES, at least MIN_BYTES: the dispatch table's row
+    tested it) with MPI op MOP on COMM takes the ring (the same answer on every rank of COMM:
+    the call's arguments agree, and the group's layout is found collectively on first use)."""
+    return (MODE != "0" and comm.size > 1 and mop == MPI.SUM
             and arr.dtype in ADDABLE and _node.serves(ring(comm), "all_reduce", nbytes))
 
 

@@ -68,10 +68,10 @@ RACED = {"all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter",
 
 
 def usable(comm, nbytes: int, dtype, kind, op: str = "all_reduce") -> bool:
-    """Whether OP (all_reduce or a reduce_scatter; NBYTES: the whole input) should take this
-    path (the same answer on every rank of COMM: the arguments of a collective agree across
-    ranks)."""
-    return (MODE != "0" and nbytes >= MIN_BYTES and comm.size > 1 and kind in KINDS
+    """Whether OP (all_reduce or a reduce_scatter; NBYTES: the whole input, at least
+    MIN_BYTES: the dispatch table's row tested it) should take this path (the same answer on
+    every rank of COMM: the arguments of a collective agree across ranks)."""
+    return (MODE != "0" and comm.size > 1 and kind in KINDS
             and dtype is not torch.bool and _node.serves(arena(comm), RACED[op], nbytes))
 
 

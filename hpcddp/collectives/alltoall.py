@@ -90,11 +90,11 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         return None
     call = pair(fn, output, input, group, async_op)
     if call.device:
-        call.extra = (output_split_sizes, input_split_sizes)
+        call.splits = (output_split_sizes, input_split_sizes)
     else:
         call.nbytes = call.inp.nbytes
-        call.extra = _layout(output, input, call.out, call.inp, output_split_sizes,
-                             input_split_sizes, group, call.comm)   # counts, displacements
+        call.layout = _layout(output, input, call.out, call.inp, output_split_sizes,
+                              input_split_sizes, group, call.comm)   # counts, displacements
         record_call(call, "all_to_all", input.shape, input.dtype)
     return take(_ALL_TO_ALL_SINGLE, call)
 
@@ -136,7 +136,7 @@ def _layout(output, input, out, inp, output_split_sizes, input_split_sizes, grou
 
 
 def _all_to_all_single_device(c: Call, ctx):
-    return _device.all_to_all_single(c.output, c.input, *c.extra, c.comm, c.async_op, ctx)
+    return _device.all_to_all_single(c.output, c.input, *c.splits, c.comm, c.async_op, ctx)
 
 
 def _all_to_all_single_mpi(c: Call):
@@ -144,7 +144,7 @@ def _all_to_all_single_mpi(c: Call):
     # and MPI_Alltoall on a rank with even ones against MPI_Alltoallv on a peer with uneven
     # ones is erroneous MPI (Open MPI's happen to match; another MPI or collective component
     # need not). Its cost over Ialltoall is in docs/benchmarks.md.
-    scounts, sdis, rcounts, rdis = c.extra
+    scounts, sdis, rcounts, rdis = c.layout
     req = c.comm.mpi.Ialltoallv([c.inp, (scounts, sdis)], [c.out, (rcounts, rdis)])
     return finish_or_work(c.async_op, c.entry, [req], [c.output])
 
@@ -178,7 +178,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
         call.inp = as_arrays(input_tensor_list, ref, fn, "input_tensor_list", same_shape=False)
         call.out = as_arrays(output_tensor_list, ref, fn, "output_tensor_list",
                              same_shape=False)
-        call.extra = 0                          # blocks of any size
+        call.block = 0                          # blocks of any size
         record_call(call, "all_to_all", ref.shape, ref.dtype)
     return take(_ALL_TO_ALL, call)
 

@@ -197,7 +197,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
             if v.size != send.size:
                 raise ValueError(f"{fn}: tensor_list[{i}] has {v.size} elements, expected "
                                  f"{send.size} (tensor's; every rank sends the same size)")
-        call.extra = send.size                  # one block, the same on every rank
+        call.block = send.size                  # one block, the same on every rank
         record_call(call, "all_gather", tensor.shape, tensor.dtype)
     return take(_ALL_GATHER, call)
 

@@ -55,7 +55,7 @@ def _p2p(fn: str, tensor, peer, group, tag, plan: bool = True) -> Call:
         _check_peer(comm, peer, fn, "src")
     call = Call()
     call.comm, call.group, call.async_op, call.tensor = comm, group, True, tensor
-    call.root, call.tag, call.extra = peer, tag, plan
+    call.root, call.tag, call.plannable = peer, tag, plan
     try:
         call.arr = as_array(tensor, fn, "tensor")
     except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): the device path checks
@@ -83,7 +83,7 @@ def _isend(tensor, dst, group, tag, plan: bool):
 def _from_plan(c: Call, op: int):
     """Plan the validated call C and run it from its plan (the C hit): what the hit answers,
     or False where it cannot run it (no C module, pieces, the GPU staging path's calls)."""
-    if not c.extra or not make_pplan(op in (IRECV, RECV), c.tensor, c.group, c.comm, c.arr,
+    if not c.plannable or not make_pplan(op in (IRECV, RECV), c.tensor, c.group, c.comm, c.arr,
                                      c.root, c.tag):
         return False
     # the hit is asked with COMM: GROUP may be a torch group the plan files under None

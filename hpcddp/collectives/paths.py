@@ -36,7 +36,12 @@ class Call:
     small call less than an __init__ would (docs/benchmarks.md, "The dispatch table")."""
     __slots__ = ("comm", "group", "async_op", "device", "nbytes", "tensor", "arr", "output",
                  "out", "input", "inp", "tensors", "views", "dtype", "op", "mop", "kind", "root",
-                 "tag", "entry", "extra", "red", "queued")
+                 "tag", "entry", "red", "queued",
+                 "block",       # the list forms: one block's element count, the same on every
+                                # rank (0: blocks of any size, all_to_all)
+                 "splits",      # all_to_all_single on CUDA: (output, input) split sizes
+                 "layout",      # all_to_all_single: (send counts, displacements, recv ...)
+                 "plannable")   # point-to-point: the C plan may take the call
 
 
 def pair(fn: str, output, input, group, async_op: bool, out_arg: str = "output",
@@ -65,6 +70,9 @@ class Path:
     # the rest of the condition, given the call and its op (None: always)
     applies: Callable[[Call, str], bool] | None = None
     before_call: bool = False                     # a plan hit: tried before validation
+    # how the row runs: the name of its runner in each op module's route() (the device rows
+    # share one runner, "device"; the plan hits have none)
+    kind: str = "mpi"
 
 
 _mib = _node._mib
@@ -153,13 +161,12 @@ def _cma_applies(c: Call, op: str) -> bool:
 
 
 def _lists_applies(c: Call, op: str) -> bool:
-    """The list forms' point-to-point exchange; ``extra``: one block's element count where
-    every rank's is the same (0 for all_to_all)."""
-    return _lists.use_p2p(c.comm, c.extra)
+    """The list forms' point-to-point exchange."""
+    return _lists.use_p2p(c.comm, c.block)
 
 
 def _lists_reduce_scatter_applies(c: Call, op: str) -> bool:
-    return _lists.use_p2p(c.comm, c.extra) and _lists.reduce_scatter_supported(c.kind, c.dtype)
+    return _lists.use_p2p(c.comm, c.block) and _lists.reduce_scatter_supported(c.kind, c.dtype)
 
 
 # the exchange plans are made on the second call in a row on the same tensors
@@ -175,16 +182,16 @@ STAGED = Path("host staging", "the other CUDA tensors: pinned host copies, large
 DEVICE = (CUDA_AWARE, STAGED)
 RACED = "from the size where a start-up race finds it faster than MPI"
 ARENA = Path("shm arena", f"SUM/AVG/PREMUL_SUM, non-bool, {RACED}", _arena,
-             min_bytes=_shm.MIN_BYTES, applies=_arena_applies)
-LISTS = Path("point-to-point", "the list form", _p2p_lists, applies=_lists_applies)
+             min_bytes=_shm.MIN_BYTES, applies=_arena_applies, kind="arena")
+LISTS = Path("point-to-point", "the list form", _p2p_lists, applies=_lists_applies,
+             kind="lists")
 HIER = Path("hierarchical", f"several nodes, the same number of ranks on each, {RACED}",
-            _hier_state, min_bytes=_hier.MIN_BYTES,
-            applies=_hier_applies)
+            _hier_state, min_bytes=_hier.MIN_BYTES, applies=_hier_applies, kind="hier")
 RING = Path("ring", f"SUM/AVG/PREMUL_SUM of float32/64, int32/64, several nodes, on "
                     f"{'TCP links' if _ring.TRANSPORT == 'tcp' else 'MPI point-to-point'}, {RACED}",
             _node_local("ring", "HPCDDP_RING", lambda c: _ring.ring(c),
                         "the group is on one node", {"all_reduce": "all_reduce"}),
-            min_bytes=_ring.MIN_BYTES, applies=_ring_applies)
+            min_bytes=_ring.MIN_BYTES, applies=_ring_applies, kind="ring")
 PIECES = "; over MPI's count limit of 2^31-1 elements, in pieces"
 
 
@@ -198,12 +205,13 @@ PATHS: dict[str, tuple[Path, ...]] = {
                    _mpi("Allreduce")),
     "broadcast": (Path("plan hit", "a tensor broadcast before from the same root, blocking, "
                        f"below {_mib(AGREE_BYTES)}", _plan_hit, before_call=True), *DEVICE,
-                  Path("CMA", RACED, _cma_state,
-                               min_bytes=_cma.MIN_BYTES, applies=_cma_applies), HIER,
+                  Path("CMA", RACED, _cma_state, min_bytes=_cma.MIN_BYTES,
+                       applies=_cma_applies, kind="cma"), HIER,
                   _mpi("Bcast")),
     "reduce": (*DEVICE, _mpi("Reduce")),
     "reduce_scatter": (*DEVICE, ARENA, Path("point-to-point", "the list form, SUM/AVG, non-bool",
-                                           _p2p_lists, applies=_lists_reduce_scatter_applies),
+                                           _p2p_lists, applies=_lists_reduce_scatter_applies,
+                                           kind="lists"),
                        _mpi("Reduce_scatter_block", pieces=False)),
     "reduce_scatter_tensor": (*DEVICE, ARENA, HIER, _mpi("Reduce_scatter_block", pieces=False)),
     "all_gather": (PLAN, *DEVICE, LISTS, _mpi("Allgather")),
@@ -228,7 +236,7 @@ def route(op: str, **runs: Callable) -> tuple:
     every one needs a row; the device rows come first, a row that always applies last."""
     rows = [p for p in PATHS[op] if not p.before_call]
     host = rows[len(DEVICE):]
-    names = [_kind(p) for p in host]
+    names = [p.kind for p in host]
     if tuple(rows[:len(DEVICE)]) != DEVICE or host[-1].applies is not None \
             or sorted(["device", *names]) != sorted(runs):
         raise RuntimeError(f"route({op!r}): the table's rows are {[p.name for p in rows]} "
@@ -248,11 +256,6 @@ def route(op: str, **runs: Callable) -> tuple:
             tuple((p.min_bytes, p.applies and functools.partial(p.applies, op=op), runs[k])
                   for p, k in zip(host, names)),
             op not in POSTED)
-
-
-def _kind(p: Path) -> str:
-    return {"shm arena": "arena", "CMA": "cma", "hierarchical": "hier", "ring": "ring",
-            "point-to-point": "lists"}.get(p.name, "mpi")
 
 
 # ops whose MPI requests are posted on the caller's thread, never queued on the engine: MPI

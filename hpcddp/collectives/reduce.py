@@ -250,7 +250,7 @@ def reduce_scatter(output, input_list, op=SUM, group=None, async_op=False):
         check_list(input_list, comm.size, fn, "input_list")
         same_spec(input_list, output, fn, "input_list")
         call.nbytes = output.nbytes * comm.size
-        call.extra = output.numel()             # one block, the same on every rank
+        call.block = output.numel()             # one block, the same on every rank
         record_call(call, "reduce_scatter", output.shape, output.dtype,
                     red=call.kind)  # agreed first
     return take(_REDUCE_SCATTER, call)

@@ -160,6 +160,7 @@ def test_held_destination_waited_for_or_refused(rt, tmp, capfd, monkeypatch):
     msg = str(ei.value)
     assert f"{last_dir} on node {topo.num_nodes - 1}" in msg and "lock_wait=0" in msg
     assert f"pid {w.bcast(os.getpid(), root=0)} on host" in msg
+    w.Barrier()            # every leader has returned (and let its own lock go) before the look
     for node in range(topo.num_nodes):         # nothing touched, no lock left by this job
         d = os.path.join(tmp, f"node{node}")
         assert not os.path.exists(os.path.join(d, mf.STAGING))

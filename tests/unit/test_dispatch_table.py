@@ -43,7 +43,7 @@ def test_every_op_runs_its_table_rows_in_order(op):
     assert [(m, a and (a.func, a.keywords)) for m, a, _ in rows] == \
         [(p.min_bytes, p.applies and (p.applies, {"op": op})) for p in host]
     # each op's runner for a row is named after the row's kind (_all_reduce_arena, ...)
-    kinds = [paths._kind(p) for p in host]
+    kinds = [p.kind for p in host]
     assert [run.__name__.rsplit("_", 1)[-1] for _, _, run in rows] == kinds
     assert last is rows[-1][2] and rows[-1][1] is None
     assert floor == min((p.min_bytes for p in host[:-1]), default=1 << 62)
@@ -71,8 +71,8 @@ def _fake_table(monkeypatch, asked):
         return f
     monkeypatch.setitem(paths.PATHS, "fake", (
         paths.PLAN, *paths.DEVICE,
-        Path("shm arena", "", min_bytes=100, applies=applies("arena", False)),
-        Path("hierarchical", "", min_bytes=200, applies=applies("hier", True)),
+        Path("shm arena", "", min_bytes=100, applies=applies("arena", False), kind="arena"),
+        Path("hierarchical", "", min_bytes=200, applies=applies("hier", True), kind="hier"),
         Path("MPI Fake", "otherwise")))
     return route("fake", device=lambda c, ctx: f"device {ctx.path}", arena=lambda c: "arena",
                  hier=lambda c: "hier", mpi=lambda c: "mpi")
