@@ -33,6 +33,9 @@ import numpy as np
 from hpcddp.comm._mpi import MPI
 
 CONNECT_TIMEOUT_S = 5.0
+# the neighbour sent its hello right after connecting, before the ranks agreed to accept: a
+# connection whose hello is not there by then is a stray (it costs at most this)
+HELLO_WAIT_S = 1.0
 _ACK = b"k"
 # a path that waits in the kernel where MPI polls serves up to this fraction of MPI's time (it
 # leaves the core MPI's wait would take): the all_reduce ring's race and stage's probe
@@ -238,13 +241,21 @@ def _hello(token: bytes, rank: int, channel: int) -> bytes:
 
 
 def _accept(listener: socket.socket, token: bytes, left: int, channels: int) -> list:
-    """CHANNELS connections from rank LEFT, by channel (a stray connection is closed)."""
-    listener.settimeout(CONNECT_TIMEOUT_S)
+    """CHANNELS connections from rank LEFT, by channel (a stray connection is closed), within
+    CONNECT_TIMEOUT_S in all: the neighbour connected before the ranks agreed to accept, so
+    its connections wait in the backlog; strays (a port scanner, a silent client) cannot keep
+    this rank here longer (TimeoutError: no links, the group stays on MPI)."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
     got: dict = {}
     size = len(_hello(token, 0, 0))
     while len(got) < channels:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"rank {left}'s connection did not come within "
+                               f"{CONNECT_TIMEOUT_S:.0f} s (only stray ones)")
+        listener.settimeout(remaining)
         s, _ = listener.accept()
-        s.settimeout(CONNECT_TIMEOUT_S)
+        s.settimeout(max(0.01, min(HELLO_WAIT_S, deadline - time.monotonic())))
         try:
             hello = _read_exactly(s, size)
         except OSError:

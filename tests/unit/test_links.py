@@ -196,3 +196,53 @@ def test_a_rank_killed_from_outside_ends_its_links_though_a_forked_child_lives()
     in_sock.close()
     os.close(ready_r)
     os.close(ready_w)
+
+
+def test_accept_is_bounded_however_many_strays_come(monkeypatch):
+    """Stray connections that connect and say nothing, one after another, cannot keep a rank
+    in the links' set-up: the neighbour's connection (made before, in the backlog) is taken
+    among them, and without it the wait ends after CONNECT_TIMEOUT_S in all, not per stray."""
+    monkeypatch.setattr(links, "CONNECT_TIMEOUT_S", 0.6)
+    monkeypatch.setattr(links, "HELLO_WAIT_S", 0.05)
+    token = b"t" * 8
+    for neighbour_comes in (True, False):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        stop, strays = threading.Event(), []
+
+        def stray_stream():
+            while not stop.is_set():
+                s = socket.socket()
+                s.settimeout(0.2)                 # a full backlog: connect would wait
+                try:
+                    s.connect(("127.0.0.1", port))
+                except OSError:
+                    s.close()
+                    continue
+                strays.append(s)          # connected, silent
+                time.sleep(0.05)
+        t = threading.Thread(target=stray_stream)
+        t.start()
+        time.sleep(0.2)                   # strays first in the backlog
+        if neighbour_comes:
+            right = socket.create_connection(("127.0.0.1", port))
+            right.sendall(links._hello(token, 3, 0))
+        start = time.monotonic()
+        try:
+            if neighbour_comes:
+                got = links._accept(listener, token, 3, 1)
+                assert len(got) == 1
+                got[0].close()
+                right.close()
+            else:
+                with pytest.raises(TimeoutError, match="rank 3's connection did not come"):
+                    links._accept(listener, token, 3, 1)
+            assert time.monotonic() - start < 1.5
+        finally:
+            stop.set()
+            t.join()
+            listener.close()
+            for s in strays:
+                s.close()
