@@ -31,6 +31,7 @@ import weakref
 import numpy as np
 
 from hpcddp.comm._mpi import MPI
+from hpcddp.comm.communicator import translate_to_world
 
 CONNECT_TIMEOUT_S = 5.0
 # the neighbour sent its hello right after connecting, before the ranks agreed to accept: a
@@ -197,7 +198,7 @@ os.register_at_fork(after_in_child=_close_in_forked_child)
 
 def _world_rank(mpi_comm, rank: int) -> int:
     try:
-        return MPI.Group.Translate_ranks(mpi_comm.Get_group(), [rank], MPI.COMM_WORLD.Get_group())[0]
+        return translate_to_world(mpi_comm)[rank]
     except Exception:
         return rank
 
@@ -434,10 +435,28 @@ def as_bytes(arr: np.ndarray) -> memoryview:
     return memoryview(arr).cast("B")
 
 
+# (world ranks of a ring, bytes) -> whether its links were at least as fast as MPI: the
+# transport between the same processes does not change during a job
+_verdicts: dict = {}
+
+
 def faster_than_mpi(links: Links, nbytes: int, tries: int = 2) -> bool:
     """Whether shifting NBYTES one step round the ring on LINKS takes at most TIE of the time
     MPI's Sendrecv takes on the same communicator (collective; the slowest rank's best of
-    TRIES decides for all)."""
+    TRIES decides for all). Raced once per ring of the same processes in a job: later asks
+    agree on the verdict every rank remembers (one allreduce) and skip the race."""
+    key = (tuple(translate_to_world(links.mpi)), nbytes)
+    known = _verdicts.get(key, -1)
+    seen = np.array([known, -known], np.int64)
+    links.mpi.Allreduce(MPI.IN_PLACE, seen, op=MPI.MIN)
+    if seen[0] == -seen[1] >= 0:                  # every rank remembers the same verdict
+        return bool(seen[0])
+    verdict = _race(links, nbytes, tries)
+    _verdicts[key] = int(verdict)
+    return verdict
+
+
+def _race(links: Links, nbytes: int, tries: int) -> bool:
     out, into = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     right, left = (links.rank + 1) % links.size, (links.rank - 1) % links.size
     send, recv = Pipe(links, links.out, True), Pipe(links, links.into, False)

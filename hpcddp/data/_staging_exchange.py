@@ -39,8 +39,9 @@ RING_POLL_S = 0.0005
 # stream each way (more: MPI's point-to-point, not two sockets per node of the group)
 MAX_LINKED_LEADERS = 64
 # the links serve only where a shift of this many bytes round the ring is not slower on them
-# than on MPI (a fabric MPI drives natively, InfiniBand or Slingshot, beats TCP)
-PROBE_BYTES = 4 << 20
+# than on MPI (a fabric MPI drives natively, InfiniBand or Slingshot, beats TCP by far, which
+# 1 MiB shows; the race costs ~35 ms at 1 Gbit/s, once per job and group of leaders)
+PROBE_BYTES = 1 << 20
 
 
 def copy_exchange(gl, strategy: str, src: str, node_dest: str, m: mf.Manifest, todo: list,

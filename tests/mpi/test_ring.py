@@ -215,3 +215,27 @@ def test_a_destroyed_group_closes_its_links(world):
     t = torch.ones(1 << 18)
     dist.all_reduce(t)
     assert torch.equal(t, torch.full_like(t, float(n)))
+
+
+def test_the_links_race_against_mpi_once_per_ring_of_processes(world, monkeypatch):
+    """faster_than_mpi races the links against MPI's Sendrecv once per ring of the same
+    processes and size (stage's probe, ~35 ms at 1 Gbit/s): a later ask agrees on the verdict
+    every rank remembers, without a race; where one rank has forgotten it, all race again
+    together (no rank waits in a race the others skip)."""
+    n, r = world
+    private = hpcddp.world().mpi.Dup()
+    made = links.Links.make(private)
+    assert made is not None
+    key_bytes = (1 << 16) + 8 * n
+    raced = []
+    real_race = links._race
+    monkeypatch.setattr(links, "_race", lambda *a: raced.append(1) or real_race(*a))
+    first = links.faster_than_mpi(made, key_bytes)
+    again = links.faster_than_mpi(made, key_bytes)
+    assert raced == [1] and again == first
+    if r == 0:
+        links._verdicts.clear()
+    third = links.faster_than_mpi(made, key_bytes)
+    assert raced == [1, 1] and private.allgather(third) == [third] * n
+    made.close()
+    private.Free()
