@@ -19,7 +19,6 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-from hpcddp import settings
 from hpcddp.collectives import _cma, _device, _hier, _large, _lists, _node, _plans, _ring, _shm
 from hpcddp.collectives import engine as _engine
 from hpcddp.collectives._common import agree_recorded, as_array, resolve
@@ -97,13 +96,14 @@ def _cuda_aware_state(comm, op) -> str:
         f"closed (this MPI is not known to be CUDA-aware: {found.status()})"
 
 
-def _node_local(mode: str, variable: str, opened, unopened: str, raced: dict | None = None):
-    """The state of a node-local path for an op: its switch (MODE of VARIABLE), then whether
+def _node_local(module, variable: str, opened, unopened: str, raced: dict | None = None):
+    """The state of a node-local path for an op: its switch (MODULE.MODE, read from VARIABLE
+    at import: the value the path's own usable() tests), then whether
     OPENED(comm) set it up for the group (closed: UNOPENED), then from which size it serves
     the op (RACED: the table's ops -> the op its start-up race measures; the race runs here
     if the op has not had it)."""
     def state(comm, op) -> str:
-        if getattr(settings.get(), mode) == "0":
+        if module.MODE == "0":
             return f"closed ({variable}=0)"
         if comm.size < 2:
             return "closed (one rank)"
@@ -124,11 +124,11 @@ def _node_local(mode: str, variable: str, opened, unopened: str, raced: dict | N
     return state
 
 
-_arena = _node_local("shm_allreduce", "HPCDDP_SHM_ALLREDUCE", lambda c: _shm.arena(c),
+_arena = _node_local(_shm, "HPCDDP_SHM_ALLREDUCE", lambda c: _shm.arena(c),
                      "ranks on several nodes, or no room in /dev/shm", _shm.RACED)
-_cma_state = _node_local("cma", "HPCDDP_CMA", lambda c: _cma.peers(c),
+_cma_state = _node_local(_cma, "HPCDDP_CMA", lambda c: _cma.peers(c),
                          "ranks on several nodes, or the kernel refuses", {"broadcast": "broadcast"})
-_hier_state = _node_local("hier", "HPCDDP_HIER", lambda c: _hier.hier(c),
+_hier_state = _node_local(_hier, "HPCDDP_HIER", lambda c: _hier.hier(c),
                           "one node, or nodes with different numbers of the group's ranks",
                           _hier.RACED)
 
@@ -189,7 +189,7 @@ HIER = Path("hierarchical", f"several nodes, the same number of ranks on each, {
             _hier_state, min_bytes=_hier.MIN_BYTES, applies=_hier_applies, kind="hier")
 RING = Path("ring", f"SUM/AVG/PREMUL_SUM of float32/64, int32/64, several nodes, on "
                     f"{'TCP links' if _ring.TRANSPORT == 'tcp' else 'MPI point-to-point'}, {RACED}",
-            _node_local("ring", "HPCDDP_RING", lambda c: _ring.ring(c),
+            _node_local(_ring, "HPCDDP_RING", lambda c: _ring.ring(c),
                         "the group is on one node", {"all_reduce": "all_reduce"}),
             min_bytes=_ring.MIN_BYTES, applies=_ring_applies, kind="ring")
 PIECES = "; over MPI's count limit of 2^31-1 elements, in pieces"

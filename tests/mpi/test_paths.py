@@ -39,8 +39,6 @@ def _state(world, op, path):
 def test_arena_row_is_the_path_all_reduce_takes(world, mode, monkeypatch):
     monkeypatch.setattr(_shm, "MODE", mode)
     monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
-    monkeypatch.setattr(paths.settings, "_current",
-                        paths.settings.get().replace(shm_allreduce=mode))
     state = _state(world, "all_reduce", "shm arena")
     calls = _spy(monkeypatch, _shm.Arena, "all_reduce")
     n = world.size
@@ -58,7 +56,6 @@ def test_arena_row_is_the_path_all_reduce_takes(world, mode, monkeypatch):
 def test_cma_row_is_the_path_broadcast_takes(world, mode, monkeypatch):
     monkeypatch.setattr(_cma, "MODE", mode)
     monkeypatch.delitem(_rt.world()._attached, "cma", raising=False)   # fresh peers
-    monkeypatch.setattr(paths.settings, "_current", paths.settings.get().replace(cma=mode))
     state = _state(world, "broadcast", "CMA")
     calls = _spy(monkeypatch, _cma.Peers, "broadcast")
     t = torch.full(((2 << 20) // 4,), float(world.rank))
@@ -111,8 +108,6 @@ def test_a_path_serves_each_op_from_the_size_its_race_found(world, monkeypatch):
     Every rank takes the same path for the same call, and each op is raced once."""
     monkeypatch.setattr(_shm, "MODE", "auto")
     monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
-    monkeypatch.setattr(paths.settings, "_current",
-                        paths.settings.get().replace(shm_allreduce="auto"))
     slow_below = 2 << 20
 
     def times(op, nbytes, rank):
@@ -146,7 +141,6 @@ def test_a_path_serves_each_op_from_the_size_its_race_found(world, monkeypatch):
 def test_a_path_that_loses_at_every_size_is_closed_and_says_why(world, monkeypatch):
     monkeypatch.setattr(_cma, "MODE", "auto")
     monkeypatch.delitem(_rt.world()._attached, "cma", raising=False)   # fresh peers
-    monkeypatch.setattr(paths.settings, "_current", paths.settings.get().replace(cma="auto"))
     raced = _forced_race(monkeypatch, _cma.Peers, lambda op, nbytes, rank: (2e-3, 1e-3))
     calls = _spy(monkeypatch, _cma.Peers, "broadcast")
     t = torch.full(((32 << 20) // 4,), float(world.rank))
