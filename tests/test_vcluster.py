@@ -10,7 +10,7 @@ eth0, the node's bridge link); within a node, shared memory.
 Checked: `hpcddp info` at 2 and 3 nodes; topology and every collective at 2 nodes x 2 ranks
 against numpy (tests/vcluster/job_collectives.py), with the bytes counted on the node's veth
 (node-local all_reduces put none on it, cross-node ones put theirs); that
-shared memory alone cannot join two nodes; DDP against a one-process reference; `hpcddp stage`
+shared memory alone cannot join two nodes; DDP, FSDP2 and HSDP against a one-process reference; `hpcddp stage`
 into each node's own /scratch, the shared source read once per node group. A crashed `up` is
 cleaned by `down`.
 
@@ -213,6 +213,15 @@ def test_ddp_matches_one_process_2x2(cluster):
     res = mpirun("node1:2,node2:2", ["python", str(JOBS / "job_ddp.py")])
     ok(res, "job_ddp.py")
     assert res.stdout.count("vcluster-ddp ok") == 4, res.stdout
+
+
+def test_fsdp2_and_hsdp_match_one_process_2x2(cluster):
+    """FSDP2 across nodes as users run it: HSDP (shard inside each node, replicate across),
+    then plain FSDP2 over all 4 ranks, against one process; then the groups destroyed and the
+    default group made again (tests/vcluster/job_fsdp2.py)."""
+    res = mpirun("node1:2,node2:2", ["python", str(JOBS / "job_fsdp2.py")], timeout=240)
+    ok(res, "job_fsdp2.py")
+    assert res.stdout.count("vcluster-fsdp2 ok") == 4, res.stdout
 
 
 def _pack(tmp_path) -> pathlib.Path:

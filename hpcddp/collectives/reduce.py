@@ -73,32 +73,32 @@ def _all_reduce_device(c: Call, ctx):
     return _device.all_reduce(c.tensor, c.op, c.comm, c.async_op, ctx)
 
 
-def _all_reduce_arena(c: Call):
+def _summed_in_place(c: Call, path_sum) -> CompletedWork | None:
+    """What the node-local rows share: AVG/PREMUL_SUM's scaling around PATH_SUM() (the
+    path's SUM of the tensor in place), the record's end, and the answer (blocking: None)."""
     pre_reduce(c.tensor, c.op, c.kind)
-    check = _mismatch.agreement(c.comm, c.entry, c.kind)
-    if not _shm.arena(c.comm).all_reduce(c.tensor.view(-1), check):
-        check.refuse(c.entry)
+    path_sum()
     post_reduce(c.tensor, c.kind, c.comm.size)
     record_end(c.entry)
     return CompletedWork([c.tensor]) if c.async_op else None
+
+
+def _all_reduce_arena(c: Call):
+    def path_sum():
+        check = _mismatch.agreement(c.comm, c.entry, c.kind)
+        if not _shm.arena(c.comm).all_reduce(c.tensor.view(-1), check):
+            check.refuse(c.entry)
+    return _summed_in_place(c, path_sum)
 
 
 def _all_reduce_hier(c: Call):
     _hier.agree(c.comm, c.entry, c.kind)
-    pre_reduce(c.tensor, c.op, c.kind)
-    _hier.hier(c.comm).all_reduce(c.arr, c.mop)
-    post_reduce(c.tensor, c.kind, c.comm.size)
-    record_end(c.entry)
-    return CompletedWork([c.tensor]) if c.async_op else None
+    return _summed_in_place(c, lambda: _hier.hier(c.comm).all_reduce(c.arr, c.mop))
 
 
 def _all_reduce_ring(c: Call):
     _hier.agree(c.comm, c.entry, c.kind)
-    pre_reduce(c.tensor, c.op, c.kind)
-    _ring.ring(c.comm).all_reduce(c.arr)
-    post_reduce(c.tensor, c.kind, c.comm.size)
-    record_end(c.entry)
-    return CompletedWork([c.tensor]) if c.async_op else None
+    return _summed_in_place(c, lambda: _ring.ring(c.comm).all_reduce(c.arr))
 
 
 def _all_reduce_mpi(c: Call):
