@@ -201,8 +201,8 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
 
     @routed
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
-        return coalesced.combine([self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)],
-                        list(outputs))
+        return coalesced.combine([self._reduce_scatter_base(o, i, opts)
+                                  for o, i in zip(outputs, inputs)], list(outputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -211,8 +211,8 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
     def broadcast(self, tensors, opts):
         if len(tensors) == 1:
             return C.broadcast(tensors[0], opts.rootRank, self.hpcddp_comm, not _blocking(opts))
-        return coalesced.combine([C.broadcast(t, opts.rootRank, self.hpcddp_comm, True) for t in tensors],
-                        list(tensors))
+        return coalesced.combine([C.broadcast(t, opts.rootRank, self.hpcddp_comm, True)
+                                  for t in tensors], list(tensors))
 
     @routed
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -228,16 +228,17 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
     @routed
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         return coalesced.combine([C.all_gather_into_tensor(o, i, self.hpcddp_comm, True)
-                         for o, i in zip(outputs, inputs)], list(outputs))
+                                  for o, i in zip(outputs, inputs)], list(outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     @routed
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         # torch's layout: output_lists[r][i] receives rank r's input_list[i]
-        return coalesced.combine([C.all_gather([out[i] for out in output_lists], t, self.hpcddp_comm, True)
-                         for i, t in enumerate(input_list)],
-                        [t for o in output_lists for t in o])
+        return coalesced.combine([C.all_gather([out[i] for out in output_lists], t,
+                                               self.hpcddp_comm, True)
+                                  for i, t in enumerate(input_list)],
+                                 [t for o in output_lists for t in o])
 
     @routed
     def gather(self, output_tensors, input_tensors, opts):

@@ -23,6 +23,7 @@ blocking broadcast/all_reduce hot paths only after MPI has refused the call.
 from __future__ import annotations
 
 from hpcddp.comm._mpi import MPI
+from hpcddp.comm.communicator import duplicate
 
 MAX_COUNT = 2**31 - 1
 # every outstanding reduction piece allocates a temporary of its size inside MPI
@@ -91,11 +92,7 @@ def probe_source(mpi, tag) -> int:
 
 
 def _p2p(comm):
-    return comm.attached("large", _dup)
-
-
-def _dup(comm):
-    return comm.mpi.Dup()
+    return comm.attached("large", duplicate)
 
 
 def allgather(comm, inp, out) -> list:

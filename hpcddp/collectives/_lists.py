@@ -27,6 +27,7 @@ from hpcddp.collectives import _large
 from hpcddp.collectives import _plans
 from hpcddp.collectives._common import as_array, finish_or_work
 from hpcddp.comm._mpi import MPI
+from hpcddp.comm.communicator import duplicate
 
 TAG = 7
 SEQUENCES = (list, tuple)   # what a tensor list may be (hot-path test: type(x) in SEQUENCES)
@@ -43,11 +44,7 @@ def use_p2p(comm, block: int = 0) -> bool:
 
 def side_comm(comm):
     """The group's private duplicate for list-form messages (collective on first use)."""
-    return comm.attached("lists", _dup)
-
-
-def _dup(comm):
-    return comm.mpi.Dup()
+    return comm.attached("lists", duplicate)
 
 
 def _exchange(side, r: int, n: int, sends, recvs, async_op: bool):

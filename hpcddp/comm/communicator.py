@@ -99,6 +99,12 @@ class Communicator:
         self.mpi = MPI.COMM_NULL
 
 
+def duplicate(comm: Communicator):
+    """A private duplicate of COMM's MPI communicator (collective), as paths attach it:
+    ``comm.attached(key, duplicate)``; released with the group."""
+    return comm.mpi.Dup()
+
+
 def free_mpi(mpi_comm) -> None:
     """MPI_Comm_free where it can still be done (local in Open MPI: no message waits)."""
     if MPI.Is_finalized():

@@ -1,0 +1,28 @@
+"""scripts/journey.py (the functions and files a torch all_reduce enters, #31's count) runs
+under mpirun and reports what it counts: a repeated small call (the plan hit) enters far
+fewer of hpcddp's functions than the first call on a tensor."""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_journey_counts_the_first_call_and_the_plan_hit():
+    mpirun = os.path.join(sys.prefix, "bin", "mpirun")
+    res = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2",
+                          sys.executable, str(ROOT / "scripts" / "journey.py")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = {m[0]: (int(m[1]), int(m[2]), int(m[3])) for m in re.findall(
+        r"^(.+?): (\d+) stops, (\d+) files, (\d+) returns", res.stdout, re.M)}
+    assert set(got) == {f"{s} all_reduce, {t}" for s in ("8 B", "4 MiB")
+                        for t in ("first", "again")}, res.stdout
+    # 8 B always plans (4 MiB may take the arena, whose calls are not planned: no claim)
+    first, again = got["8 B all_reduce, first"], got["8 B all_reduce, again"]
+    assert first[0] > 2 * again[0] and first[1] >= again[1] >= 1, (first, again)
+    assert all(stops >= 1 and files >= 1 for stops, files, _ in got.values()), got
