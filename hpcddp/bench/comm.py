@@ -405,33 +405,24 @@ class Context:
 
     @staticmethod
     def unchecked(fn):
-        """FN run with the cross-rank call agreement off: the recorder's plain start instead
-        of the agreeing one in the reductions and broadcast, and no hash for the node-local
-        paths to compare. Swapped per call (a few attribute writes each way), so every other
-        row runs the real code."""
-        import importlib
-        from hpcddp.diagnostics import mismatch, recorder
-        # the collectives record through _common.record_call, which reads _common.record
-        ops = [importlib.import_module("hpcddp.collectives._common")]
-        checked = [op.record for op in ops], mismatch.agreement
-        start = recorder.start
+        """FN run with the cross-rank call agreement off: the record without take()'s
+        agreement on a large call, and no hash for the node-local paths to compare. Swapped
+        per call (a few attribute writes each way), so every other row runs the real code."""
+        from hpcddp.collectives import paths
+        from hpcddp.diagnostics import mismatch
+        # take() agrees on a recorded call through paths.agree_recorded
+        checked = paths.agree_recorded, mismatch.agreement
 
-        def plain(comm, op, shape=None, dtype=None, peer=None, red=None):
-            return start(comm, op, shape, dtype, peer)
-
-        def no_hash(comm, entry, red=None):
+        def no_agreement(comm, entry, red=None):
             return None
 
         def run():
-            for op in ops:
-                op.record = plain
-            mismatch.agreement = no_hash
+            paths.agree_recorded = no_agreement
+            mismatch.agreement = no_agreement
             try:
                 fn()
             finally:
-                for op, record in zip(ops, checked[0]):
-                    op.record = record
-                mismatch.agreement = checked[1]
+                paths.agree_recorded, mismatch.agreement = checked
         return run
 
 

@@ -62,7 +62,7 @@ def run(sizes, rounds: int = 101, batch_time: float = 0.002, api: str = "direct"
     from hpcddp.collectives import _plans
     from hpcddp.diagnostics import mismatch, recorder
     world = hpcddp.init().world
-    saved = (red.record, red.record_end, red._plan_hit)
+    saved = (_plans.record, _plans.record_end, red._plan_hit)
     if api == "dist":
         import torch.distributed as dist
         hpcddp.init_process_group()
@@ -80,7 +80,7 @@ def run(sizes, rounds: int = 101, batch_time: float = 0.002, api: str = "direct"
              "shipped": (saved[0], saved[1], _plans.hit)}
 
     def batch(mode, t, iters) -> float:
-        red.record, red.record_end, red._plan_hit = modes[mode]
+        red._plan_hit = modes[mode][2]
         _plans.record, _plans.record_end = modes[mode][:2]   # what hit_py records with
         hpcddp.barrier()
         t0 = time.perf_counter()
@@ -115,8 +115,7 @@ def run(sizes, rounds: int = 101, batch_time: float = 0.002, api: str = "direct"
                      detail_over_on=statistics.median(det_on))
             results[nbytes] = r
     finally:
-        red.record, red.record_end, red._plan_hit = saved
-        _plans.record, _plans.record_end = saved[:2]
+        _plans.record, _plans.record_end, red._plan_hit = saved
     return {"ranks": world.size, "rounds": rounds, "api": api, "plan_hit": _plans.KIND,
             "recorder_cost_s": _recorder_cost(),
             "sizes": results}

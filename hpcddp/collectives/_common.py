@@ -1,4 +1,5 @@
-"""What every op shares: resolving the group, reduce ops, recording, the blocking/async split."""
+"""What every op and path shares: resolving the group, reduce ops, recording, the
+blocking/async split."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,6 @@ from hpcddp.comm.buffers import as_array, as_arrays, check_tensor, same_spec  # 
 from hpcddp.comm.communicator import Communicator
 from hpcddp.comm.ops import RedOpType, mpi_op
 from hpcddp.diagnostics import mismatch as _mismatch, recorder as _rec
-from hpcddp.collectives import engine as _engine
 from hpcddp.collectives.work import CompletedWork, Work  # noqa: F401
 
 IN_PLACE = MPI.IN_PLACE
@@ -21,19 +21,6 @@ agree_recorded = _mismatch.check_recorded if _mismatch.enabled() else _mismatch.
 record_p2p = _rec.start_p2p   # send/recv: own sequence numbers, never cross-checked
 record_end = _rec.end
 _op_cache: dict = {}
-
-
-def record_call(call, op: str, shape, dtype, peer=None, red=None) -> None:
-    """Record CALL (a collective, validated) in the flight recorder, as ``record``; where the
-    async engine will run it (``call.queued``), its cross-rank agreement is left to the
-    engine, which runs it in issue order just before the call (hpcddp.collectives.engine)."""
-    call.red = red
-    if _engine.pending or call.async_op and _engine.on():
-        call.queued = True
-        call.entry = _rec.start(call.comm, op, shape, dtype, peer)
-    else:
-        call.queued = False
-        call.entry = record(call.comm, op, shape, dtype, peer, red=red)
 
 
 def resolve(group, fn: str) -> Communicator:
@@ -119,6 +106,26 @@ def finish_or_work(async_op: bool, entry, requests, result, finish=None, keep=No
         finish()
     record_end(entry)
     return None
+
+
+def wait_or_work(call, requests, finish=None, keep=None):
+    """A path's non-blocking MPI REQUESTS for CALL (hpcddp.collectives.paths.take's
+    contract): async_op, the Work that completes them and ends the record; blocking, waited
+    here and FINISH run: None (take ends the record)."""
+    if call.async_op:
+        return Work(requests, call.results, finish, call.entry, keep)
+    MPI.Request.Waitall(requests)
+    if finish is not None:
+        finish()
+    return None
+
+
+def sum_in_place(call, path_sum) -> None:
+    """AVG's and PREMUL_SUM's scaling around PATH_SUM(), a path's SUM of CALL's tensor in
+    place (what the node-local all_reduce paths share)."""
+    pre_reduce(call.tensor, call.op, call.kind)
+    path_sum()
+    post_reduce(call.tensor, call.kind, call.comm.size)
 
 
 def flat_buffer(like: torch.Tensor, count: int) -> torch.Tensor:

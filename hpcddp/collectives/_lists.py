@@ -25,7 +25,7 @@ import torch.distributed as dist
 from hpcddp import settings
 from hpcddp.collectives import _large
 from hpcddp.collectives import _plans
-from hpcddp.collectives._common import as_array, finish_or_work
+from hpcddp.collectives._common import as_array, wait_or_work
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import duplicate
 
@@ -91,27 +91,29 @@ def _plan(kind, tensors, group, comm, op, ref, own, sends, recvs) -> None:
     _plans.make_xplan(kind, tensors, group, comm, op, ref.shape, ref.dtype, run, prog)
 
 
-def all_gather(tensor_list, tensor, views, send, comm, async_op, entry, group=None):
-    """Caller validated: n tensors (VIEWS: their as_array views), tensor's dtype, tensor's
-    element count; SEND is tensor's view. GROUP: as the caller got it (for its plan)."""
+def all_gather(c):
+    """all_gather Call C, validated: n tensors (``views``: their as_array views), tensor's
+    dtype, tensor's element count; ``arr`` is tensor's view."""
+    tensor, tensor_list, views, send, comm = c.tensor, c.tensors, c.views, c.arr, c.comm
     side = side_comm(comm)
     r, n = comm.rank, comm.size
     own = (views[r], send) if tensor_list[r].data_ptr() != tensor.data_ptr() else None
     if own is not None:
         np.copyto(*own)   # numpy's copy has a fraction of torch's copy_ fixed cost
     sends = [send] * n
-    reqs = _exchange(side, r, n, sends, views, async_op)
+    reqs = _exchange(side, r, n, sends, views, c.async_op)
     call = (tensor, *tensor_list)
     if send.size and _plans.worth_planning(_plans.ALL_GATHER, call):
-        _plan(_plans.ALL_GATHER, call, group, comm, "all_gather", tensor, own, sends, views)
-    return finish_or_work(async_op, entry, reqs, list(tensor_list))
+        _plan(_plans.ALL_GATHER, call, c.group, comm, "all_gather", tensor, own, sends, views)
+    return wait_or_work(c, reqs)
 
 
-def all_to_all(output_tensor_list, input_tensor_list, outs, ins, comm, async_op, entry,
-               group=None):
-    """Caller validated: n tensors in each list (OUTS, INS: their views), one dtype. Block
-    sizes are the caller's contract with its peers (a mismatch fails in MPI as a truncated
-    message). GROUP: as the caller got it (for its plan)."""
+def all_to_all(c):
+    """all_to_all Call C, validated: n tensors in each list (``out``, ``inp``: their views),
+    one dtype. Block sizes are the caller's contract with its peers (a mismatch fails in MPI
+    as a truncated message)."""
+    output_tensor_list, input_tensor_list, outs, ins, comm = (c.output, c.input, c.out, c.inp,
+                                                              c.comm)
     r, n = comm.rank, comm.size
     biggest = max(a.size for a in (*outs, *ins))
     if biggest > _large.MAX_COUNT:   # one message per block: only a block can be too big
@@ -123,12 +125,12 @@ def all_to_all(output_tensor_list, input_tensor_list, outs, ins, comm, async_op,
            else None)
     if own is not None:
         np.copyto(*own)
-    reqs = _exchange(side_comm(comm), r, n, ins, outs, async_op)
+    reqs = _exchange(side_comm(comm), r, n, ins, outs, c.async_op)
     call = (*output_tensor_list, *input_tensor_list)
     if _plans.worth_planning(_plans.ALL_TO_ALL, call):
-        _plan(_plans.ALL_TO_ALL, call, group, comm, "all_to_all", input_tensor_list[0], own,
+        _plan(_plans.ALL_TO_ALL, call, c.group, comm, "all_to_all", input_tensor_list[0], own,
               list(ins), list(outs))
-    return finish_or_work(async_op, entry, reqs, list(output_tensor_list))
+    return wait_or_work(c, reqs)
 
 
 _COMBINE = {_RedOpType.SUM: torch.Tensor.add_, _RedOpType.AVG: torch.Tensor.add_}
@@ -140,10 +142,12 @@ def reduce_scatter_supported(kind, dtype) -> bool:
     return kind in _COMBINE and dtype != torch.bool
 
 
-def reduce_scatter(output, input_list, kind, comm, async_op, entry):
-    """Rank r receives every peer's input_list[r] into scratch and adds it to its own block.
+def reduce_scatter(call):
+    """reduce_scatter CALL (SUM or AVG): rank r receives every peer's input_list[r] into
+    scratch and adds it to its own block, zero-copy from the inputs.
 
     The sum runs in rank order (x_0 + x_1 + ... as MPI's reduction does for few ranks)."""
+    output, input_list, kind, comm = call.tensor, call.tensors, call.kind, call.comm
     side = side_comm(comm)
     r, n = comm.rank, comm.size
     c = output.numel()
@@ -176,4 +180,4 @@ def reduce_scatter(output, input_list, kind, comm, async_op, entry):
         recv.clear()
         if len(free) < 2:
             free.append(scratch)
-    return finish_or_work(async_op, entry, reqs, [output], finish, keep=(scratch, recv))
+    return wait_or_work(call, reqs, finish, keep=(scratch, recv))

@@ -151,3 +151,31 @@ class Starts:
                                                lambda nbytes: self.pair(op, nbytes), self.ladder,
                                                self.win)
         return found.start
+
+
+def path_state(module, variable: str, opened, unopened: str, raced: dict | None = None):
+    """``hpcddp info``'s state of a node-local path for an op: its switch (MODULE.MODE, read
+    from VARIABLE at import: the value the path's own usable() tests), then whether
+    OPENED(comm) set it up for the group (closed: UNOPENED), then from which size it serves
+    the op (RACED: the table's ops -> the op its start-up race measures; the race runs here
+    if the op has not had it)."""
+    def state(comm, op) -> str:
+        if module.MODE == "0":
+            return f"closed ({variable}=0)"
+        if comm.size < 2:
+            return "closed (one rank)"
+        path = opened(comm)
+        if path is None:
+            return f"closed ({unopened})"
+        if raced is None:
+            return "open"
+        starts = path.starts
+        start = starts.start(raced[op])
+        if starts.forced:
+            return f"open from {_mib(start)} ({variable}=force: no race)"
+        found = starts.found[raced[op]]
+        if start is None:
+            return (f"closed ({losing(found.win)} than MPI at any size raced, up to "
+                    f"{_mib(found.steps[-1][0])}: {found.why()})")
+        return f"open from {_mib(start)} ({found.why()})"
+    return state

@@ -7,15 +7,11 @@ from __future__ import annotations
 from array import array
 from itertools import accumulate
 
-import torch
-
 from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
 from hpcddp.collectives import _plans
 from hpcddp.collectives._plans import A2A_SINGLE, ALL_TO_ALL, xhit as _xhit
-from hpcddp.collectives._common import (as_array, as_arrays, check_list, finish_or_work,
-                                        record_call, record_end, resolve)
-from hpcddp.collectives import _device
+from hpcddp.collectives._common import as_array, as_arrays, check_list, resolve
 from hpcddp.collectives import engine as _engine
 from hpcddp.collectives.paths import Call, pair, route, take
 from hpcddp.comm.buffers import DeviceTensor
@@ -95,7 +91,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         call.nbytes = call.inp.nbytes
         call.layout = _layout(output, input, call.out, call.inp, output_split_sizes,
                               input_split_sizes, group, call.comm)   # counts, displacements
-        record_call(call, "all_to_all", input.shape, input.dtype)
+    call.name = "all_to_all"
     return take(_ALL_TO_ALL_SINGLE, call)
 
 
@@ -135,22 +131,7 @@ def _layout(output, input, out, inp, output_split_sizes, input_split_sizes, grou
     return counts
 
 
-def _all_to_all_single_device(c: Call, ctx):
-    return _device.all_to_all_single(c.output, c.input, *c.splits, c.comm, c.async_op, ctx)
-
-
-def _all_to_all_single_mpi(c: Call):
-    # MPI_Alltoallv on every rank, even splits or not: each rank knows only its own splits,
-    # and MPI_Alltoall on a rank with even ones against MPI_Alltoallv on a peer with uneven
-    # ones is erroneous MPI (Open MPI's happen to match; another MPI or collective component
-    # need not). Its cost over Ialltoall is in docs/benchmarks.md.
-    scounts, sdis, rcounts, rdis = c.layout
-    req = c.comm.mpi.Ialltoallv([c.inp, (scounts, sdis)], [c.out, (rcounts, rdis)])
-    return finish_or_work(c.async_op, c.entry, [req], [c.output])
-
-
-_ALL_TO_ALL_SINGLE = route("all_to_all_single", device=_all_to_all_single_device,
-                           mpi=_all_to_all_single_mpi)
+_ALL_TO_ALL_SINGLE = route("all_to_all_single")
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
@@ -179,41 +160,10 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
         call.out = as_arrays(output_tensor_list, ref, fn, "output_tensor_list",
                              same_shape=False)
         call.block = 0                          # blocks of any size
-        record_call(call, "all_to_all", ref.shape, ref.dtype)
+    call.name, call.shape, call.dtype, call.root, call.red = (fn, ref.shape, ref.dtype, None,
+                                                              None)
+    call.results = list(output_tensor_list)
     return take(_ALL_TO_ALL, call)
 
 
-def _all_to_all_device(c: Call, ctx):
-    return _device.all_to_all(c.output, c.input, c.comm, c.async_op, ctx)
-
-
-def _all_to_all_lists(c: Call):   # zero-copy: each block straight from/into its tensor
-    return _lists.all_to_all(c.output, c.input, c.out, c.inp, c.comm, c.async_op, c.entry,
-                             c.group)
-
-
-def _all_to_all_mpi(c: Call):
-    output_tensor_list, input_tensor_list = c.output, c.input
-    n = c.comm.size
-    flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
-    flat_out = torch.empty(sum(t.numel() for t in output_tensor_list), dtype=flat_in.dtype)
-    scounts = [t.numel() for t in input_tensor_list]
-    rcounts = [t.numel() for t in output_tensor_list]
-    sdis = [sum(scounts[:i]) for i in range(n)]
-    rdis = [sum(rcounts[:i]) for i in range(n)]
-    if max(flat_in.numel(), flat_out.numel()) > _large.MAX_COUNT:    # before any message
-        record_end(c.entry)
-        _large.refuse("all_to_all", "input_tensor_list/output_tensor_list",
-                      max(flat_in.numel(), flat_out.numel()))
-    req = c.comm.mpi.Ialltoallv([as_array(flat_in), (scounts, sdis)],
-                                [as_array(flat_out), (rcounts, rdis)])
-
-    def finish():
-        for t, off, k in zip(output_tensor_list, rdis, rcounts):
-            t.view(-1).copy_(flat_out[off:off + k])
-    return finish_or_work(c.async_op, c.entry, [req], list(output_tensor_list), finish,
-                          keep=(flat_in, flat_out))
-
-
-_ALL_TO_ALL = route("all_to_all", device=_all_to_all_device, lists=_all_to_all_lists,
-                    mpi=_all_to_all_mpi)
+_ALL_TO_ALL = route("all_to_all")

@@ -6,24 +6,14 @@ contiguous buffer (one MPI call, then a copy); the ``_into_tensor`` forms are ze
 """
 from __future__ import annotations
 
-import torch
-
-from hpcddp.collectives import _cma
-from hpcddp.collectives import _hier
-from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
-from hpcddp.collectives import _plans
+from hpcddp.collectives import engine as _engine
+from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, check_list,
+                                        resolve, same_spec)
 from hpcddp.collectives._plans import (ALL_GATHER, ALL_GATHER_TENSOR, bhit as _bcast_hit,
                                        xhit as _xhit)
-from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, check_list,
-                                        finish_or_work, record_call, record_end, resolve,
-                                        same_spec)
-from hpcddp.collectives import _device
-from hpcddp.collectives import engine as _engine
-from hpcddp.comm._mpi import MPI
 from hpcddp.collectives.paths import Call, pair, route, take
 from hpcddp.comm.buffers import DeviceTensor
-from hpcddp.diagnostics import mismatch as _mismatch
 
 
 def _one(fn: str, tensor, group, async_op, root_arg: str | None = None, root=None) -> Call:
@@ -40,6 +30,8 @@ def _one(fn: str, tensor, group, async_op, root_arg: str | None = None, root=Non
         call.device, call.nbytes = True, 0
     else:
         call.device, call.nbytes = False, call.arr.nbytes
+    call.name, call.shape, call.dtype, call.red = fn, tensor.shape, tensor.dtype, None
+    call.results = [tensor]
     return call
 
 
@@ -51,52 +43,13 @@ def broadcast(tensor, src, group=None, async_op=False):
     Rank SRC holds x before; every rank holds x after.
     """
     # the plan-hit row (hpcddp.collectives._plans): a tensor broadcast before from SRC;
-    # blocking whatever async_op (see _broadcast_mpi), as all_reduce's
+    # blocking whatever async_op, as all_reduce's (paths/mpi.py says why)
     if not _engine.pending and not (async_op and _engine.on()) and _bcast_hit(tensor, src, group):
         return None if not async_op else CompletedWork([tensor])
-    call = _one("broadcast", tensor, group, async_op, "src", src)
-    if not call.device:
-        record_call(call, "broadcast", tensor.shape, tensor.dtype, src)
-    return take(_BROADCAST, call)
+    return take(_BROADCAST, _one("broadcast", tensor, group, async_op, "src", src))
 
 
-def _broadcast_device(c: Call, ctx):
-    return _device.broadcast(c.tensor, c.root, c.comm, c.async_op, ctx)
-
-
-def _broadcast_cma(c: Call):   # ranks of one node: the copy split between them
-    check = _mismatch.agreement(c.comm, c.entry)
-    if not _cma.peers(c.comm).broadcast(c.arr, c.root, check):
-        check.refuse(c.entry)
-    record_end(c.entry)
-    return CompletedWork([c.tensor]) if c.async_op else None
-
-
-def _broadcast_hier(c: Call):
-    _hier.agree(c.comm, c.entry)
-    _hier.hier(c.comm).broadcast(c.arr, c.root)
-    record_end(c.entry)
-    return CompletedWork([c.tensor]) if c.async_op else None
-
-
-def _broadcast_mpi(c: Call):
-    # The blocking MPI call, with or without async_op: MPI never matches a blocking collective
-    # on one rank with a non-blocking one on another, and torch code mixes them for one
-    # broadcast. async_op: a completed Work (reduce._all_reduce_mpi says more).
-    try:
-        c.comm.mpi.Bcast(c.arr, root=c.root)
-    except _large.REFUSED:  # over MPI's count limit: pieces (costs nothing until then)
-        if not _large.too_big(c.arr):
-            raise
-        _large.bcast_now(c.comm, c.arr, c.root)
-    else:
-        _plans.make_bplan(c.tensor, c.group, c.comm, c.arr, c.root)
-    record_end(c.entry)
-    return CompletedWork([c.tensor]) if c.async_op else None
-
-
-_BROADCAST = route("broadcast", device=_broadcast_device, cma=_broadcast_cma,
-                   hier=_broadcast_hier, mpi=_broadcast_mpi)
+_BROADCAST = route("broadcast")
 
 
 # -- all_gather_into_tensor --------------------------------------------------------------------
@@ -124,61 +77,14 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
                              f"{input_tensor.numel()} x group size {comm.size})")
         call.nbytes = call.out.nbytes
         call.arr = call.out                     # the hierarchical row's count test
-        record_call(call, "all_gather", input_tensor.shape, input_tensor.dtype)
+    call.name = "all_gather"
     return take(_ALL_GATHER_INTO_TENSOR, call)
 
 
-def _all_gather_into_tensor_device(c: Call, ctx):
-    return _device.all_gather_into_tensor(c.output, c.input, c.comm, c.async_op, ctx)
-
-
-def _all_gather_into_tensor_hier(c: Call):
-    _hier.agree(c.comm, c.entry)
-    _hier.hier(c.comm).all_gather(c.inp, c.out)
-    record_end(c.entry)
-    return CompletedWork([c.output]) if c.async_op else None
-
-
-def _all_gather_into_tensor_mpi(c: Call):
-    if _large.too_big(c.out):  # over MPI's count limit: broadcasts in pieces
-        return finish_or_work(c.async_op, c.entry, _large.allgather(c.comm, c.inp, c.out),
-                              [c.output])
-    # The blocking MPI call, with or without async_op, as all_reduce and broadcast do: a
-    # blocking collective never matches a non-blocking one on another rank, so it must be the
-    # same call either way; and Open MPI's blocking Allgather is faster than Iallgather + Wait
-    # at mid sizes (docs/benchmarks.md). async_op: a completed Work.
-    c.comm.mpi.Allgather(c.inp, c.out)
-    if not c.async_op and c.inp.size and \
-            _plans.worth_planning(ALL_GATHER_TENSOR, (c.output, c.input)):
-        _plan_all_gather_into_tensor(c)
-    record_end(c.entry)
-    return CompletedWork([c.output]) if c.async_op else None
-
-
-def _plan_all_gather_into_tensor(c: Call) -> None:
-    """Plan the validated blocking call on C's tensors (MPI's Allgather ran it) for the next."""
-    mpi, inp, out = c.comm.mpi, c.inp, c.out
-    datatype = _plans.datatype_handle(inp)
-    prog = None if datatype is None else (_plans.ALLGATHER, MPI._handleof(mpi), datatype,
-                                          inp.size)
-    _plans.make_xplan(ALL_GATHER_TENSOR, (c.output, c.input), c.group, c.comm, "all_gather",
-                      c.input.shape, c.input.dtype, lambda: mpi.Allgather(inp, out), prog)
-
-
-_ALL_GATHER_INTO_TENSOR = route("all_gather_into_tensor", device=_all_gather_into_tensor_device,
-                                hier=_all_gather_into_tensor_hier,
-                                mpi=_all_gather_into_tensor_mpi)
+_ALL_GATHER_INTO_TENSOR = route("all_gather_into_tensor")
 
 
 # -- all_gather --------------------------------------------------------------------------------
-
-def _scatter_copy(flat: torch.Tensor, outputs) -> None:
-    off = 0
-    for t in outputs:
-        n = t.numel()
-        t.view(-1).copy_(flat[off:off + n])
-        off += n
-
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     """Every rank's TENSOR into TENSOR_LIST (one tensor per rank, rank order), on every rank."""
@@ -198,30 +104,11 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
                 raise ValueError(f"{fn}: tensor_list[{i}] has {v.size} elements, expected "
                                  f"{send.size} (tensor's; every rank sends the same size)")
         call.block = send.size                  # one block, the same on every rank
-        record_call(call, "all_gather", tensor.shape, tensor.dtype)
+    call.results = list(tensor_list) if isinstance(tensor_list, (list, tuple)) else []
     return take(_ALL_GATHER, call)
 
 
-def _all_gather_device(c: Call, ctx):
-    return _device.all_gather(c.tensors, c.tensor, c.comm, c.async_op, ctx)
-
-
-def _all_gather_lists(c: Call):   # zero-copy: each block straight into its tensor
-    return _lists.all_gather(c.tensors, c.tensor, c.views, c.arr, c.comm, c.async_op, c.entry,
-                             c.group)
-
-
-def _all_gather_mpi(c: Call):
-    tensor, tensor_list = c.tensor, c.tensors
-    flat = torch.empty(tensor.numel() * c.comm.size, dtype=tensor.dtype)
-    reqs = (_large.allgather(c.comm, c.arr, as_array(flat)) if _large.too_big(flat)
-            else [c.comm.mpi.Iallgather(c.arr, as_array(flat))])
-    return finish_or_work(c.async_op, c.entry, reqs, list(tensor_list),
-                          lambda: _scatter_copy(flat, tensor_list), keep=flat)
-
-
-_ALL_GATHER = route("all_gather", device=_all_gather_device, lists=_all_gather_lists,
-                    mpi=_all_gather_mpi)
+_ALL_GATHER = route("all_gather")
 
 
 # -- gather, scatter ---------------------------------------------------------------------------
@@ -248,29 +135,12 @@ def _rooted(fn: str, tensor, lst, root, group, async_op, root_arg, list_arg, rol
         elif lst:
             raise ValueError(f"{fn}: {list_arg} must be None or empty on rank {comm.rank}, "
                              f"which is not the {role} ({root_arg}={root})")
-        record_call(call, fn, tensor.shape, tensor.dtype, root)
+        if fn == "gather":    # gloo's answer: the gathered tensors on the root, none elsewhere
+            call.results = list(lst) if comm.rank == root else []
     return call
 
 
-def _gather_device(c: Call, ctx):
-    return _device.gather(c.tensor, c.tensors, c.root, c.comm, c.async_op, ctx)
-
-
-def _gather_mpi(c: Call):
-    tensor, comm, dst = c.tensor, c.comm, c.root
-    if comm.rank != dst:
-        reqs = (_large.gather(comm, c.arr, None, dst) if _large.too_big(c.arr, comm.size)
-                else [comm.mpi.Igather(c.arr, None, root=dst)])
-        return finish_or_work(c.async_op, c.entry, reqs, [])  # gloo: no outputs off the root
-    gather_list = c.tensors
-    flat = torch.empty(tensor.numel() * comm.size, dtype=tensor.dtype)
-    reqs = (_large.gather(comm, c.arr, as_array(flat), dst) if _large.too_big(flat)
-            else [comm.mpi.Igather(c.arr, as_array(flat), root=dst)])
-    return finish_or_work(c.async_op, c.entry, reqs, list(gather_list),
-                          lambda: _scatter_copy(flat, gather_list), keep=flat)
-
-
-_GATHER = route("gather", device=_gather_device, mpi=_gather_mpi)
+_GATHER = route("gather")
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
@@ -282,20 +152,4 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
                                   "scatter_list", "source"))
 
 
-def _scatter_device(c: Call, ctx):
-    return _device.scatter(c.tensor, c.tensors, c.root, c.comm, c.async_op, ctx)
-
-
-def _scatter_mpi(c: Call):
-    comm, src, arr = c.comm, c.root, c.arr
-    if comm.rank != src:
-        reqs = (_large.scatter(comm, None, arr, src) if _large.too_big(arr, comm.size)
-                else [comm.mpi.Iscatter(None, arr, root=src)])
-        return finish_or_work(c.async_op, c.entry, reqs, [c.tensor])
-    flat = torch.cat([t.reshape(-1) for t in c.tensors])
-    reqs = (_large.scatter(comm, as_array(flat), arr, src) if _large.too_big(flat)
-            else [comm.mpi.Iscatter(as_array(flat), arr, root=src)])
-    return finish_or_work(c.async_op, c.entry, reqs, [c.tensor], keep=flat)
-
-
-_SCATTER = route("scatter", device=_scatter_device, mpi=_scatter_mpi)
+_SCATTER = route("scatter")

@@ -15,12 +15,9 @@ an error naming the call, the sender, the tag and both sizes (work.count_error).
 """
 from __future__ import annotations
 
-from hpcddp.collectives._common import (as_array, finish_or_work, record_end, resolve,
-                                        record_p2p as record)
+from hpcddp.collectives._common import as_array, resolve
 from hpcddp.collectives import _large
-from hpcddp.collectives.work import RecvWork, check_count, truncation
-from hpcddp.collectives import _device
-from hpcddp.collectives._plans import ISEND, IRECV, SEND, RECV, make_pplan, phit
+from hpcddp.collectives._plans import ISEND, IRECV, SEND, RECV, phit
 from hpcddp.collectives.paths import Call, route, take
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.comm._mpi import MPI
@@ -80,32 +77,7 @@ def _isend(tensor, dst, group, tag, plan: bool):
     return take(_ISEND, _p2p("isend", tensor, dst, group, tag, plan))
 
 
-def _from_plan(c: Call, op: int):
-    """Plan the validated call C and run it from its plan (the C hit): what the hit answers,
-    or False where it cannot run it (no C module, pieces, the GPU staging path's calls)."""
-    if not c.plannable or not make_pplan(op in (IRECV, RECV), c.tensor, c.group, c.comm, c.arr,
-                                     c.root, c.tag):
-        return False
-    # the hit is asked with COMM: GROUP may be a torch group the plan files under None
-    return phit(op, c.tensor, c.root, c.tag, c.comm)
-
-
-def _isend_mpi(c: Call):
-    work = _from_plan(c, ISEND)
-    if work is not False:
-        return work
-    tensor, comm, arr, dst, tag = c.tensor, c.comm, c.arr, c.root, c.tag
-    entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
-    reqs = (_large.send(comm.mpi, arr, dst, tag) if _large.too_big(arr)
-            else [comm.mpi.Isend(arr, dst, tag)])
-    return finish_or_work(True, entry, reqs, [tensor])
-
-
-def _isend_device(c: Call, ctx):
-    return _device.isend(c.tensor, c.root, c.comm, c.tag, ctx)
-
-
-_ISEND = route("send/recv/isend/irecv", device=_isend_device, mpi=_isend_mpi)
+_ISEND = route("send/recv/isend/irecv", "isend")
 
 
 def send(tensor, dst, group=None, tag=0):
@@ -115,23 +87,7 @@ def send(tensor, dst, group=None, tag=0):
     take(_SEND, _p2p("send", tensor, dst, group, tag))
 
 
-def _send_mpi(c: Call):
-    if _from_plan(c, SEND) is not False:
-        return
-    tensor, comm, arr, dst, tag = c.tensor, c.comm, c.arr, c.root, c.tag
-    entry = record(comm, "send", tensor.shape, tensor.dtype, dst)
-    if _large.too_big(arr):
-        _large.wait(_large.send(comm.mpi, arr, dst, tag))
-    else:
-        comm.mpi.Send(arr, dst, tag)
-    record_end(entry)
-
-
-def _send_device(c: Call, ctx):
-    return _device.send(c.tensor, c.root, c.comm, c.tag, ctx)
-
-
-_SEND = route("send/recv/isend/irecv", device=_send_device, mpi=_send_mpi)
+_SEND = route("send/recv/isend/irecv", "send")
 
 
 def irecv(tensor, src=None, group=None, tag=0):
@@ -153,23 +109,7 @@ def _irecv(tensor, src, group, tag, plan: bool):
     return take(_IRECV, call)
 
 
-def _irecv_mpi(c: Call):
-    work = _from_plan(c, IRECV)
-    if work is not False:
-        return work
-    tensor, comm, arr, src, tag = c.tensor, c.comm, c.arr, c.root, c.tag
-    entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
-    source = MPI.ANY_SOURCE if src is None else src
-    reqs = (_large.recv(comm.mpi, arr, source, tag) if _large.too_big(arr)
-            else [comm.mpi.Irecv(arr, source, tag)])
-    return RecvWork(reqs, tensor, arr, "irecv", tag, entry)
-
-
-def _irecv_device(c: Call, ctx):
-    return _device.irecv(c.tensor, c.root, c.comm, c.tag, ctx)
-
-
-_IRECV = route("send/recv/isend/irecv", device=_irecv_device, mpi=_irecv_mpi)
+_IRECV = route("send/recv/isend/irecv", "irecv")
 
 
 def recv(tensor, src=None, group=None, tag=0) -> int:
@@ -180,35 +120,4 @@ def recv(tensor, src=None, group=None, tag=0) -> int:
     return take(_RECV, _p2p("recv", tensor, src, group, tag))
 
 
-def _recv_mpi(c: Call) -> int:
-    source = _from_plan(c, RECV)
-    if source is not False:
-        return source
-    tensor, comm, arr, src, tag = c.tensor, c.comm, c.arr, c.root, c.tag
-    entry = record(comm, "recv", tensor.shape, tensor.dtype, src)
-    source = MPI.ANY_SOURCE if src is None else src
-    if _large.too_big(arr):
-        if source == MPI.ANY_SOURCE:
-            source = _large.probe_source(comm.mpi, tag)
-        reqs = _large.recv(comm.mpi, arr, source, tag)
-        statuses = [MPI.Status() for _ in reqs]
-        try:
-            MPI.Request.Waitall(reqs, statuses)
-        except MPI.Exception as exc:
-            truncation(exc, reqs, statuses)
-    else:
-        statuses = [MPI.Status()]
-        try:
-            comm.mpi.Recv(arr, source, tag, statuses[0])
-        except MPI.Exception as exc:
-            truncation(exc, None, statuses)
-    record_end(entry)
-    check_count("recv", tensor, statuses, arr.nbytes, tag)
-    return statuses[0].Get_source()
-
-
-def _recv_device(c: Call, ctx):
-    return _device.recv(c.tensor, c.root, c.comm, c.tag, ctx)
-
-
-_RECV = route("send/recv/isend/irecv", device=_recv_device, mpi=_recv_mpi)
+_RECV = route("send/recv/isend/irecv", "recv")

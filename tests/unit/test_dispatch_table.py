@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 from hpcddp.collectives import paths
-from hpcddp.collectives.paths import Call, Path, route, take
+from hpcddp.collectives.paths import Call, Path, _run, route, take
 
 # each op's route, where its module keeps it
 ROUTES = {
@@ -25,6 +25,7 @@ ROUTES = {
     "all_to_all_single": ("alltoall", "_ALL_TO_ALL_SINGLE"),
     "send/recv/isend/irecv": ("p2p", "_ISEND"),
 }
+METHOD = {"send/recv/isend/irecv": "isend"}
 
 
 @pytest.mark.parametrize("op", sorted(ROUTES))
@@ -32,19 +33,21 @@ def test_every_op_runs_its_table_rows_in_order(op):
     module, name = ROUTES[op]
     aware, on_aware, staged, floor, last, rows, queued = getattr(
         importlib.import_module(f"hpcddp.collectives.{module}"), name)
+    method = METHOD.get(op, op)
     # collectives may be queued on the async engine; point-to-point ops never are
     assert queued is (op not in paths.POSTED)
     table = [p for p in paths.PATHS[op] if not p.before_call]
     # the device rows first: CUDA-aware MPI where it applies, else host staging, one runner
     assert tuple(table[:2]) == (paths.CUDA_AWARE, paths.STAGED) == paths.DEVICE
-    assert aware is paths.CUDA_AWARE.applies and callable(on_aware) and callable(staged)
+    assert aware is paths.CUDA_AWARE.applies
+    assert on_aware == getattr(paths.CUDA_AWARE.via, method)
+    assert staged == getattr(paths.STAGED.via, method)
     host = table[2:]
     # each row's condition is the table's, told the op (a path serves each op from its own size)
     assert [(m, a and (a.func, a.keywords)) for m, a, _ in rows] == \
         [(p.min_bytes, p.applies and (p.applies, {"op": op})) for p in host]
-    # each op's runner for a row is named after the row's kind (_all_reduce_arena, ...)
-    kinds = [p.kind for p in host]
-    assert [run.__name__.rsplit("_", 1)[-1] for _, _, run in rows] == kinds
+    # each row runs its path's method of the op's name
+    assert [run for _, _, run in rows] == [getattr(p.via, method) for p in host]
     assert last is rows[-1][2] and rows[-1][1] is None
     assert floor == min((p.min_bytes for p in host[:-1]), default=1 << 62)
 
@@ -55,12 +58,46 @@ def test_the_p2p_ops_share_one_row_list():
         assert [(m, a) for m, a, _ in r[5]] == [(m, a) for m, a, _ in p2p._ISEND[5]]
 
 
-def test_route_refuses_a_row_without_a_runner_and_a_runner_without_a_row():
+def test_every_path_has_a_method_for_every_op_it_claims():
+    """Each path object answers each op of its OPS, and each row of the table is on a path
+    that claims the row's op (route() refuses the rest at import: tested below);
+    tests/mpi/test_path_ops.py runs every (path, op) pair for real against numpy."""
+    seen = set()
+    for op, rows in paths.PATHS.items():
+        for p in rows:
+            if p.via is None:
+                continue
+            seen.add(p.via)
+            for name in op.split("/"):
+                assert name in p.via.OPS, (op, p.name)
+    for via in seen:
+        for name in via.OPS:
+            assert callable(getattr(via, name, None)), (type(via).__name__, name)
+    assert {type(v).__name__ for v in seen} == {"MPIPath", "ArenaPath", "CmaPath", "HierPath",
+                                                "RingPath", "ListsPath", "DevicePath"}
+
+
+class _Fake:
+    """A path that serves "fake" and answers with its NAME."""
+    OPS = frozenset({"fake"})
+
+    def __init__(self, name, min_bytes=0, applies=None):
+        self.name, self.min_bytes, self.applies = name, min_bytes, applies
+
+    def state(self, comm, op):
+        return "open"
+
+    def fake(self, c):
+        return self.name
+
+
+def test_route_refuses_a_row_whose_path_does_not_serve_the_op(monkeypatch):
     with pytest.raises(RuntimeError, match=r"route\('broadcast'\).*'CMA', 'hierarchical', "
-                                           r"'MPI Bcast.*\['device', 'mpi'\]"):
-        route("broadcast", device=print, mpi=print)
-    with pytest.raises(RuntimeError, match="runners given"):
-        route("reduce", device=print, mpi=print, arena=print)
+                                           r"'MPI Bcast.*no method 'barrier'"):
+        route("broadcast", "barrier")
+    monkeypatch.setitem(paths.PATHS, "fake", (*paths.DEVICE, Path("fake", "", _Fake("x"))))
+    with pytest.raises(RuntimeError, match=r"'CUDA-aware MPI', 'host staging'\]"):
+        route("fake")                   # the device paths do not serve "fake"
 
 
 def _fake_table(monkeypatch, asked):
@@ -69,18 +106,23 @@ def _fake_table(monkeypatch, asked):
             asked.append(name)
             return answer
         return f
+    device = {p: _Fake(f"device {p.via.via}") for p in paths.DEVICE}
+    device[paths.CUDA_AWARE].applies = paths.CUDA_AWARE.applies
+    monkeypatch.setattr(paths, "DEVICE", tuple(Path(p.name, p.when, device[p])
+                                               for p in paths.DEVICE))
+    monkeypatch.setattr(paths, "CUDA_AWARE", paths.DEVICE[0])
+    monkeypatch.setattr(paths, "STAGED", paths.DEVICE[1])
     monkeypatch.setitem(paths.PATHS, "fake", (
         paths.PLAN, *paths.DEVICE,
-        Path("shm arena", "", min_bytes=100, applies=applies("arena", False), kind="arena"),
-        Path("hierarchical", "", min_bytes=200, applies=applies("hier", True), kind="hier"),
-        Path("MPI Fake", "otherwise")))
-    return route("fake", device=lambda c, ctx: f"device {ctx.path}", arena=lambda c: "arena",
-                 hier=lambda c: "hier", mpi=lambda c: "mpi")
+        Path("shm arena", "", _Fake("arena", 100, applies("arena", False))),
+        Path("hierarchical", "", _Fake("hier", 200, applies("hier", True))),
+        Path("MPI Fake", "otherwise", _Fake("mpi"))))
+    return route("fake")
 
 
 def _call(nbytes, device=False):
     c = Call()
-    c.device, c.nbytes, c.queued = device, nbytes, False
+    c.device, c.nbytes, c.async_op = device, nbytes, False
     return c
 
 
@@ -89,10 +131,10 @@ def test_take_runs_the_first_row_that_applies_in_table_order(monkeypatch):
     r = _fake_table(monkeypatch, asked)
     staged = take(r, _call(10 << 20, device=True))       # this MPI is not CUDA-aware
     assert staged == "device staging" and asked == []
-    assert take(r, _call(50)) == "mpi" and asked == []          # below every threshold
-    assert take(r, _call(150)) == "mpi" and asked == ["arena"]  # hier's min_bytes not met
+    assert _run(r, _call(50)) == "mpi" and asked == []          # below every threshold
+    assert _run(r, _call(150)) == "mpi" and asked == ["arena"]  # hier's min_bytes not met
     asked.clear()
-    assert take(r, _call(250)) == "hier" and asked == ["arena", "hier"]
+    assert _run(r, _call(250)) == "hier" and asked == ["arena", "hier"]
 
 
 def test_a_device_call_takes_the_cuda_aware_row_only_where_it_applies(monkeypatch):
@@ -110,7 +152,7 @@ def test_a_device_call_takes_the_cuda_aware_row_only_where_it_applies(monkeypatc
         c.mop = object()
         monkeypatch.setattr(ops, "_custom", {"bf16 sum": c.mop} if custom else {})
         assert take(r, c) == f"device {row}", (aware, custom)
-    assert _device.cuda_aware is paths.CUDA_AWARE.applies
+    assert _device.cuda_aware is paths.PATHS["all_reduce"][1].applies
 
 
 def test_the_point_to_point_plan_row_is_closed_without_the_c_module(monkeypatch):

@@ -1,0 +1,29 @@
+"""The cross-memory-attach path: a broadcast among ranks on one node split between them, each
+copying a part straight from the root's tensor (hpcddp.collectives._cma), from the size where
+its start-up race finds it faster than MPI."""
+from __future__ import annotations
+
+from hpcddp.collectives import _cma, _node
+from hpcddp.diagnostics import mismatch as _mismatch
+
+
+class CmaPath:
+    name = "CMA"
+    min_bytes = _cma.MIN_BYTES
+    OPS = frozenset({"broadcast"})
+    state = staticmethod(_node.path_state(_cma, "HPCDDP_CMA", lambda g: _cma.peers(g),
+                                          "ranks on several nodes, or the kernel refuses",
+                                          {"broadcast": "broadcast"}))
+
+    @staticmethod
+    def applies(c, op: str) -> bool:
+        return _cma.usable(c.comm, c.nbytes)
+
+    @staticmethod
+    def broadcast(c):
+        check = _mismatch.agreement(c.comm, c.entry)
+        if not _cma.peers(c.comm).broadcast(c.arr, c.root, check):
+            check.refuse(c.entry)
+
+
+CMA = CmaPath()

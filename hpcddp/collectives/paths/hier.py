@@ -1,0 +1,47 @@
+"""The hierarchical path: groups spanning nodes with the same number of their ranks on each,
+MPI inside each node and between one leader per node (hpcddp.collectives._hier), from the
+size where its start-up race finds it faster than MPI."""
+from __future__ import annotations
+
+from hpcddp.collectives import _hier, _large, _node
+from hpcddp.collectives._common import post_reduce, sum_in_place
+from hpcddp.collectives.paths.mpi import premultiplied
+
+
+class HierPath:
+    name = "hierarchical"
+    min_bytes = _hier.MIN_BYTES
+    OPS = frozenset({"all_reduce", "reduce_scatter_tensor", "broadcast",
+                     "all_gather_into_tensor"})
+    state = staticmethod(_node.path_state(
+        _hier, "HPCDDP_HIER", lambda g: _hier.hier(g),
+        "one node, or nodes with different numbers of the group's ranks", _hier.RACED))
+
+    @staticmethod
+    def applies(c, op: str) -> bool:     # pieces over MPI's count limit take the MPI row
+        return _hier.usable(c.comm, c.nbytes, op) and not _large.too_big(c.arr)
+
+    @staticmethod
+    def all_reduce(c):
+        _hier.agree(c.comm, c.entry, c.kind)
+        sum_in_place(c, lambda: _hier.hier(c.comm).all_reduce(c.arr, c.mop))
+
+    @staticmethod
+    def reduce_scatter_tensor(c):
+        _hier.agree(c.comm, c.entry, c.kind)
+        _, inp = premultiplied(c)
+        _hier.hier(c.comm).reduce_scatter(inp, c.arr, c.mop)
+        post_reduce(c.tensor, c.kind, c.comm.size)
+
+    @staticmethod
+    def broadcast(c):
+        _hier.agree(c.comm, c.entry)
+        _hier.hier(c.comm).broadcast(c.arr, c.root)
+
+    @staticmethod
+    def all_gather_into_tensor(c):
+        _hier.agree(c.comm, c.entry)
+        _hier.hier(c.comm).all_gather(c.inp, c.out)
+
+
+HIER = HierPath()

@@ -1,0 +1,38 @@
+"""The point-to-point path of the list forms: all_gather, all_to_all and reduce_scatter on
+lists of separate tensors, each block straight from its tensor into its tensor
+(hpcddp.collectives._lists), on groups of up to HPCDDP_LIST_P2P_MAX_RANKS ranks."""
+from __future__ import annotations
+
+from hpcddp.collectives import _lists
+
+
+class ListsPath:
+    name = "point-to-point"
+    min_bytes = 0
+    OPS = frozenset({"all_gather", "all_to_all", "reduce_scatter"})
+
+    @staticmethod
+    def state(comm, op) -> str:
+        limit = _lists._MAX_RANKS
+        return "open" if 1 < comm.size <= limit else \
+            f"closed ({comm.size} ranks; HPCDDP_LIST_P2P_MAX_RANKS={limit})"
+
+    @staticmethod
+    def applies(c, op: str) -> bool:
+        return _lists.use_p2p(c.comm, c.block) and (
+            op != "reduce_scatter" or _lists.reduce_scatter_supported(c.kind, c.dtype))
+
+    @staticmethod
+    def all_gather(c):      # zero-copy: each block straight into its tensor
+        return _lists.all_gather(c)
+
+    @staticmethod
+    def all_to_all(c):      # zero-copy: each block straight from and into its tensor
+        return _lists.all_to_all(c)
+
+    @staticmethod
+    def reduce_scatter(c):  # zero-copy inputs
+        return _lists.reduce_scatter(c)
+
+
+LISTS = ListsPath()

@@ -1,0 +1,283 @@
+"""The MPI path: every op as the MPI call of its name, the last row of every op's table row
+list (it always applies).
+
+Counts over MPI's int limit (2^31-1 elements) are this path's own business: the calls that
+MPI refuses travel in pieces (hpcddp.collectives._large), found only when MPI refuses one, so
+they cost nothing until then. A repeated small call is planned here, after MPI ran it, for
+the plan-hit rows (hpcddp.collectives._plans) to replay.
+
+Each method takes a validated :class:`~hpcddp.collectives.paths.call.Call` and returns None
+once the op is complete (``take`` ends its record and answers) or, for an ``async_op`` call
+left in flight, the Work that completes it.
+"""
+from __future__ import annotations
+
+import torch
+
+from hpcddp.collectives import _large, _plans
+from hpcddp.collectives._common import (IN_PLACE, as_array, finish_or_work, post_reduce,
+                                        pre_reduce, record_end, record_p2p, wait_or_work)
+from hpcddp.collectives._plans import ALL_GATHER_TENSOR, IRECV, ISEND, RECV, SEND
+from hpcddp.collectives.work import RecvWork, check_count, truncation
+from hpcddp.comm._mpi import MPI
+from hpcddp.comm.ops import RedOpType
+
+SUM_KIND, PREMUL_KIND = RedOpType.SUM, RedOpType.PREMUL_SUM
+
+
+def scatter_copy(flat: torch.Tensor, outputs) -> None:
+    """FLAT's consecutive blocks into the tensors OUTPUTS."""
+    off = 0
+    for t in outputs:
+        n = t.numel()
+        t.view(-1).copy_(flat[off:off + n])
+        off += n
+
+
+def premultiplied(c):
+    """(input, its view) of reduce_scatter_tensor call C: PREMUL_SUM scales a copy of the
+    input, never the caller's."""
+    if c.kind != PREMUL_KIND:
+        return c.input, c.inp
+    scaled = c.input.clone()
+    pre_reduce(scaled, c.op, c.kind)
+    return scaled, as_array(scaled)
+
+
+class MPIPath:
+    """Every op through MPI; the calls MPI refuses for their counts in pieces."""
+    name = "MPI"
+    min_bytes = 0
+    applies = None          # always: the last row of every op
+    OPS = frozenset({"all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter",
+                     "broadcast", "all_gather_into_tensor", "all_gather", "gather", "scatter",
+                     "all_to_all_single", "all_to_all", "isend", "send", "irecv", "recv"})
+
+    @staticmethod
+    def state(comm, op) -> str:
+        return "open"
+
+    # -- reductions ------------------------------------------------------------------------
+
+    @staticmethod
+    def all_reduce(c):
+        tensor, arr, kind = c.tensor, c.arr, c.kind
+        if kind == SUM_KIND and arr.size <= _large.MAX_COUNT:   # ==: torch hands out new enums
+            _plans.make_plan(tensor, c.group, c.comm, arr, c.mop)
+        else:
+            pre_reduce(tensor, c.op, kind)
+        # The blocking MPI call, with or without async_op: MPI never matches a blocking
+        # collective on one rank with a non-blocking one on another, and torch code mixes
+        # them for one all_reduce (Join: the joined ranks' plain call against the others'
+        # async_op=True). Allreduce is also faster than Iallreduce+Wait (docs/benchmarks.md).
+        try:
+            c.comm.mpi.Allreduce(IN_PLACE, arr, c.mop)
+        except _large.REFUSED:  # over MPI's count limit: pieces
+            if not _large.too_big(arr):
+                raise
+            _large.allreduce_now(c.comm, arr, c.mop)
+        if kind != SUM_KIND:
+            post_reduce(tensor, kind, c.comm.size)
+
+    @staticmethod
+    def reduce(c):
+        tensor, comm, mop, kind, dst = c.tensor, c.comm, c.mop, c.kind, c.root
+        big = _large.too_big(c.arr)
+        if comm.rank == dst:
+            pre_reduce(tensor, c.op, kind)
+            reqs = (_large.reduce(comm, c.arr, mop, dst) if big
+                    else [comm.mpi.Ireduce(IN_PLACE, c.arr, mop, root=dst)])
+            return wait_or_work(c, reqs, lambda: post_reduce(tensor, kind, comm.size))
+        send = tensor.clone() if kind == PREMUL_KIND else tensor
+        pre_reduce(send, c.op, kind)
+        reqs = (_large.reduce(comm, as_array(send), mop, dst) if big
+                else [comm.mpi.Ireduce(as_array(send), None, mop, root=dst)])
+        return wait_or_work(c, reqs, keep=send if send is not tensor else None)
+
+    @staticmethod
+    def reduce_scatter_tensor(c):
+        input, inp = premultiplied(c)
+        req = c.comm.mpi.Ireduce_scatter_block(inp, c.arr, c.mop)
+        output, kind, size = c.tensor, c.kind, c.comm.size
+        return wait_or_work(c, [req], lambda: post_reduce(output, kind, size), keep=input)
+
+    @staticmethod
+    def reduce_scatter(c):
+        c.input = (torch.cat([t.reshape(-1) for t in c.tensors]) if c.tensors
+                   else c.tensor.new_empty(0))
+        c.inp = as_array(c.input)
+        return MPIPath.reduce_scatter_tensor(c)
+
+    # -- data movement ---------------------------------------------------------------------
+
+    @staticmethod
+    def broadcast(c):
+        # The blocking MPI call, with or without async_op, as all_reduce's
+        try:
+            c.comm.mpi.Bcast(c.arr, root=c.root)
+        except _large.REFUSED:  # over MPI's count limit: pieces
+            if not _large.too_big(c.arr):
+                raise
+            _large.bcast_now(c.comm, c.arr, c.root)
+        else:
+            _plans.make_bplan(c.tensor, c.group, c.comm, c.arr, c.root)
+
+    @staticmethod
+    def all_gather_into_tensor(c):
+        if _large.too_big(c.out):  # over MPI's count limit: broadcasts in pieces
+            return wait_or_work(c, _large.allgather(c.comm, c.inp, c.out))
+        # The blocking MPI call, with or without async_op, as all_reduce's; and Open MPI's
+        # blocking Allgather is faster than Iallgather + Wait at mid sizes (docs/benchmarks.md)
+        c.comm.mpi.Allgather(c.inp, c.out)
+        if not c.async_op and c.inp.size and \
+                _plans.worth_planning(ALL_GATHER_TENSOR, (c.output, c.input)):
+            mpi, inp, out = c.comm.mpi, c.inp, c.out
+            datatype = _plans.datatype_handle(inp)
+            prog = None if datatype is None else (_plans.ALLGATHER, MPI._handleof(mpi),
+                                                  datatype, inp.size)
+            _plans.make_xplan(ALL_GATHER_TENSOR, (c.output, c.input), c.group, c.comm,
+                              "all_gather", c.input.shape, c.input.dtype,
+                              lambda: mpi.Allgather(inp, out), prog)
+
+    @staticmethod
+    def all_gather(c):
+        tensor, tensor_list = c.tensor, c.tensors
+        flat = torch.empty(tensor.numel() * c.comm.size, dtype=tensor.dtype)
+        reqs = (_large.allgather(c.comm, c.arr, as_array(flat)) if _large.too_big(flat)
+                else [c.comm.mpi.Iallgather(c.arr, as_array(flat))])
+        return wait_or_work(c, reqs, lambda: scatter_copy(flat, tensor_list), keep=flat)
+
+    @staticmethod
+    def gather(c):
+        tensor, comm, dst = c.tensor, c.comm, c.root
+        if comm.rank != dst:
+            reqs = (_large.gather(comm, c.arr, None, dst) if _large.too_big(c.arr, comm.size)
+                    else [comm.mpi.Igather(c.arr, None, root=dst)])
+            return wait_or_work(c, reqs)
+        gather_list = c.tensors
+        flat = torch.empty(tensor.numel() * comm.size, dtype=tensor.dtype)
+        reqs = (_large.gather(comm, c.arr, as_array(flat), dst) if _large.too_big(flat)
+                else [comm.mpi.Igather(c.arr, as_array(flat), root=dst)])
+        return wait_or_work(c, reqs, lambda: scatter_copy(flat, gather_list), keep=flat)
+
+    @staticmethod
+    def scatter(c):
+        comm, src, arr = c.comm, c.root, c.arr
+        if comm.rank != src:
+            reqs = (_large.scatter(comm, None, arr, src) if _large.too_big(arr, comm.size)
+                    else [comm.mpi.Iscatter(None, arr, root=src)])
+            return wait_or_work(c, reqs)
+        flat = torch.cat([t.reshape(-1) for t in c.tensors])
+        reqs = (_large.scatter(comm, as_array(flat), arr, src) if _large.too_big(flat)
+                else [comm.mpi.Iscatter(as_array(flat), arr, root=src)])
+        return wait_or_work(c, reqs, keep=flat)
+
+    @staticmethod
+    def all_to_all_single(c):
+        # MPI_Alltoallv on every rank, even splits or not: each rank knows only its own
+        # splits, and MPI_Alltoall on a rank with even ones against MPI_Alltoallv on a peer
+        # with uneven ones is erroneous MPI (Open MPI's happen to match; another MPI or
+        # collective component need not). Its cost over Ialltoall is in docs/benchmarks.md.
+        scounts, sdis, rcounts, rdis = c.layout
+        req = c.comm.mpi.Ialltoallv([c.inp, (scounts, sdis)], [c.out, (rcounts, rdis)])
+        return wait_or_work(c, [req])
+
+    @staticmethod
+    def all_to_all(c):
+        outputs, inputs = c.output, c.input
+        n = c.comm.size
+        flat_in = torch.cat([t.reshape(-1) for t in inputs])
+        flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=flat_in.dtype)
+        scounts = [t.numel() for t in inputs]
+        rcounts = [t.numel() for t in outputs]
+        sdis = [sum(scounts[:i]) for i in range(n)]
+        rdis = [sum(rcounts[:i]) for i in range(n)]
+        if max(flat_in.numel(), flat_out.numel()) > _large.MAX_COUNT:    # before any message
+            record_end(c.entry)
+            _large.refuse("all_to_all", "input_tensor_list/output_tensor_list",
+                          max(flat_in.numel(), flat_out.numel()))
+        req = c.comm.mpi.Ialltoallv([as_array(flat_in), (scounts, sdis)],
+                                    [as_array(flat_out), (rcounts, rdis)])
+
+        def finish():
+            for t, off, k in zip(outputs, rdis, rcounts):
+                t.view(-1).copy_(flat_out[off:off + k])
+        return wait_or_work(c, [req], finish, keep=(flat_in, flat_out))
+
+    # -- point-to-point: recorded here, under their own numbering (never agreed on) ---------
+
+    @staticmethod
+    def isend(c):
+        work = _from_plan(c, ISEND)
+        if work is not False:
+            return work
+        tensor, comm, arr, dst, tag = c.tensor, c.comm, c.arr, c.root, c.tag
+        entry = record_p2p(comm, "send", tensor.shape, tensor.dtype, dst)
+        reqs = (_large.send(comm.mpi, arr, dst, tag) if _large.too_big(arr)
+                else [comm.mpi.Isend(arr, dst, tag)])
+        return finish_or_work(True, entry, reqs, [tensor])
+
+    @staticmethod
+    def send(c):
+        if _from_plan(c, SEND) is not False:
+            return
+        tensor, comm, arr, dst, tag = c.tensor, c.comm, c.arr, c.root, c.tag
+        entry = record_p2p(comm, "send", tensor.shape, tensor.dtype, dst)
+        if _large.too_big(arr):
+            _large.wait(_large.send(comm.mpi, arr, dst, tag))
+        else:
+            comm.mpi.Send(arr, dst, tag)
+        record_end(entry)
+
+    @staticmethod
+    def irecv(c):
+        work = _from_plan(c, IRECV)
+        if work is not False:
+            return work
+        tensor, comm, arr, src, tag = c.tensor, c.comm, c.arr, c.root, c.tag
+        entry = record_p2p(comm, "recv", tensor.shape, tensor.dtype, src)
+        source = MPI.ANY_SOURCE if src is None else src
+        reqs = (_large.recv(comm.mpi, arr, source, tag) if _large.too_big(arr)
+                else [comm.mpi.Irecv(arr, source, tag)])
+        return RecvWork(reqs, tensor, arr, "irecv", tag, entry)
+
+    @staticmethod
+    def recv(c) -> int:
+        source = _from_plan(c, RECV)
+        if source is not False:
+            return source
+        tensor, comm, arr, src, tag = c.tensor, c.comm, c.arr, c.root, c.tag
+        entry = record_p2p(comm, "recv", tensor.shape, tensor.dtype, src)
+        source = MPI.ANY_SOURCE if src is None else src
+        if _large.too_big(arr):
+            if source == MPI.ANY_SOURCE:
+                source = _large.probe_source(comm.mpi, tag)
+            reqs = _large.recv(comm.mpi, arr, source, tag)
+            statuses = [MPI.Status() for _ in reqs]
+            try:
+                MPI.Request.Waitall(reqs, statuses)
+            except MPI.Exception as exc:
+                truncation(exc, reqs, statuses)
+        else:
+            statuses = [MPI.Status()]
+            try:
+                comm.mpi.Recv(arr, source, tag, statuses[0])
+            except MPI.Exception as exc:
+                truncation(exc, None, statuses)
+        record_end(entry)
+        check_count("recv", tensor, statuses, arr.nbytes, tag)
+        return statuses[0].Get_source()
+
+
+def _from_plan(c, op: int):
+    """Plan the validated point-to-point call C and run it from its plan (the C hit): what
+    the hit answers, or False where it cannot run it (no C module, pieces, the GPU staging
+    path's calls)."""
+    if not c.plannable or not _plans.make_pplan(op in (IRECV, RECV), c.tensor, c.group, c.comm,
+                                                c.arr, c.root, c.tag):
+        return False
+    # the hit is asked with COMM: GROUP may be a torch group the plan files under None
+    return _plans.phit(op, c.tensor, c.root, c.tag, c.comm)
+
+
+MPI_PATH = MPIPath()

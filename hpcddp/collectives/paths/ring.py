@@ -1,0 +1,28 @@
+"""The ring path: all_reduce of a group spanning nodes as a pipelined ring over TCP links of
+its own (or MPI point-to-point; hpcddp.collectives._ring), from the size where its start-up
+race finds it faster than MPI."""
+from __future__ import annotations
+
+from hpcddp.collectives import _hier, _large, _node, _ring
+from hpcddp.collectives._common import sum_in_place
+
+
+class RingPath:
+    name = "ring"
+    min_bytes = _ring.MIN_BYTES
+    OPS = frozenset({"all_reduce"})
+    state = staticmethod(_node.path_state(_ring, "HPCDDP_RING", lambda g: _ring.ring(g),
+                                          "the group is on one node",
+                                          {"all_reduce": "all_reduce"}))
+
+    @staticmethod
+    def applies(c, op: str) -> bool:    # pieces over MPI's count limit take the MPI row
+        return _ring.usable(c.comm, c.nbytes, c.arr, c.mop) and not _large.too_big(c.arr)
+
+    @staticmethod
+    def all_reduce(c):
+        _hier.agree(c.comm, c.entry, c.kind)
+        sum_in_place(c, lambda: _ring.ring(c.comm).all_reduce(c.arr))
+
+
+RING = RingPath()
