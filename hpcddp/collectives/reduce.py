@@ -26,15 +26,15 @@ def _reduction(fn: str, tensor, op, group, async_op, arg: str = "tensor") -> Cal
     call = Call()
     call.comm, call.group, call.async_op = resolve(group, fn), group, async_op
     call.tensor, call.dtype, call.op = tensor, tensor.dtype, op
+    # the MPI op: on the device too, where a user-defined one (bfloat16) keeps it off the
+    # CUDA-aware row
+    call.mop, call.kind = reduce_op(op, tensor.dtype, fn)
     try:
         call.arr = as_array(tensor, fn, arg)
     except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): the device path checks
         call.device, call.nbytes = True, 0
     else:
         call.device, call.nbytes = False, call.arr.nbytes
-    # the MPI op: on the device too, where a user-defined one (bfloat16) keeps it off the
-    # CUDA-aware row
-    call.mop, call.kind = reduce_op(op, tensor.dtype, fn)
     call.name, call.shape, call.root, call.red = fn, tensor.shape, None, call.kind
     call.results = [tensor]
     return call
