@@ -1,10 +1,11 @@
 """The journey of a call through hpcddp: which of its functions a torch.distributed call
 enters, in order, and in which files (a newcomer's question: which path does a call take?).
 
-    mpirun -n 2 python scripts/journey.py [-v]       # 8 B and 4 MiB all_reduce, first and again
+    mpirun -n 2 python scripts/journey.py [-v]     # 8 B and 4 MiB all_reduce, three calls each
 
 "first": the first call on a tensor (the full path: validation, record, the dispatch table),
-the group already set up; "again": the same call repeated (the plan hit).
+the group already set up; "second": the same call again (the full path, and take's memo plans
+it); "third": once more (the plan hit, where the path that ran it plans it).
 
 A *stop* is a Python function of hpcddp entered during the call (sys.setprofile's "call"
 events under hpcddp/, the C module's work not counted); a *return to a file* is a step into a
@@ -62,7 +63,7 @@ def main() -> None:
     dist.all_reduce(torch.ones(1 << 20))
     rows = []
     for name, t in (("8 B", small), ("4 MiB", large)):
-        for turn in ("first", "again"):
+        for turn in ("first", "second", "third"):
             stops = journey(lambda: dist.all_reduce(t))
             rows.append((f"{name} all_reduce, {turn}", stops))
     if dist.get_rank() == 0:

@@ -47,6 +47,7 @@ SCRIPT = textwrap.dedent(r'''
         dist.all_reduce(t); same(t, want, f"dist #{i}")
         assert id(t) in _plans.plans, "dist.all_reduce made no plan"  # torch's own ReduceOp
     v = torch.ones(3)
+    dist.all_reduce(v); assert id(v) not in _plans.plans, "planned on its first call"
     dist.all_reduce(v); assert id(v) in _plans.plans, "dist.all_reduce alone made no plan"
     want = ref_all_reduce(t, MAX)
     hpcddp.all_reduce(t, op=MAX); same(t, want, "MAX after SUM plan")
@@ -87,7 +88,7 @@ SCRIPT = textwrap.dedent(r'''
         else:
             raise AssertionError("all_reduce ran on a freed group")
     world = resolve(None, "test")             # a plan hit is recorded like any op
-    y = torch.ones(5); hpcddp.all_reduce(y)
+    y = torch.ones(5); hpcddp.all_reduce(y); hpcddp.all_reduce(y)     # planned on the second
     last = lambda: max((e for e in REC.RECORDER.buf if e is not None and e[2] is world),
                        key=lambda e: e[0])
     e0 = last(); hpcddp.all_reduce(y); e1 = last()
@@ -141,10 +142,14 @@ SCRIPT = textwrap.dedent(r'''
     b.add_(r)
     want = ref_broadcast(b, 0)
     dist.broadcast(b, 0, async_op=True).wait(); same(b, want, "async dist.broadcast")
+    # b was planned for one root, then the other, over and over: take's memo stopped planning
+    # it (MAX_REPLANS); a tensor planned once, resized, and planned again:
+    b = torch.arange(4, dtype=torch.float32) + r
+    hpcddp.broadcast(b, 0); hpcddp.broadcast(b, 0)          # planned on the second call
+    assert _plans.bhit(b, 0, None) is True
     b.resize_(2).add_(r)                      # same memory, fewer elements: the full path
     want = ref_broadcast(b, 0)
-    hpcddp.broadcast(b, 0); same(b, want, "broadcast after resize_")
-    hpcddp.broadcast(b, 0)                    # planned again
+    hpcddp.broadcast(b, 0); same(b, want, "broadcast after resize_")   # and planned again
     assert _plans.bhit(b, 0, None) is True, "no hit on the same tensor, root and group"
     assert _plans.bhit(b, 0.0, None) is False and _plans.bhit(b, 1 % n, None) is (n == 1)
     assert _plans.bhit(torch.zeros(2), 0, None) is False
@@ -299,7 +304,7 @@ SCRIPT = textwrap.dedent(r'''
         fresh = [torch.zeros(3) for _ in range(n)]
         hpcddp.all_gather(fresh, t)
         for j in range(n): same(fresh[j], want[j], f"all_gather fresh list #{i} [{j}]")
-    assert _plans._seen[AG][id(t)][1] <= _plans.MAX_REPLANS, _plans._seen[AG][id(t)]
+    assert not hit(AG, (t, *fresh)), "a fresh list was planned"   # take's memo: never
 
     ins = [torch.full((2,), float(10 * r + j)) for j in range(n)]
     outs = [torch.zeros(2) for _ in range(n)]
@@ -361,7 +366,8 @@ SCRIPT = textwrap.dedent(r'''
             want = ((torch.arange(5) + 10 * prv + i) % 2 == 0 if dtype == torch.bool
                     else (torch.arange(5) + 10 * prv + i).to(dtype))
             same(d, want, f"p2p ring {dtype} #{i}")
-            assert (type(w1).__name__ == "P2PWork") == C, (type(w1), EXPECT_KIND)
+            # planned on the second call, the C hit's P2PWork from the third
+            assert (type(w1).__name__ == "P2PWork") == (C and i >= 2), (i, type(w1), EXPECT_KIND)
         assert (id(s) in _plans.pplans[0] and id(d) in _plans.pplans[1]) == C, dtype
     s = torch.arange(6.0) + 100 * r; d = torch.zeros(6)
     for i in range(2):
@@ -430,7 +436,11 @@ SCRIPT = textwrap.dedent(r'''
         for i in range(3):
             s.fill_(r + i); d.zero_()
             w1, w2 = ring(s, d, i, group=grp)
-            assert (type(w1).__name__ == "P2PWork") == C, (grp, type(w1))
+            # the plans of s and d are the world's, filed under None (direct calls) and found
+            # by the world's Communicator (torch's backend passes it); the torch world group
+            # object itself is not looked up: the full path, a Work
+            assert (type(w1).__name__ == "P2PWork") == (C and (grp is everyone and i >= 1)), \
+                (grp, i, type(w1))
             same(d, torch.full((2,), float(prv + i)), f"p2p with a torch group #{i}")
     for i in range(20):                       # fresh tensors every call
         d2 = torch.zeros(2)

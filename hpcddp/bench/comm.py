@@ -408,21 +408,21 @@ class Context:
         """FN run with the cross-rank call agreement off: the record without take()'s
         agreement on a large call, and no hash for the node-local paths to compare. Swapped
         per call (a few attribute writes each way), so every other row runs the real code."""
-        from hpcddp.collectives import paths
+        from hpcddp.collectives import call
         from hpcddp.diagnostics import mismatch
-        # take() agrees on a recorded call through paths.agree_recorded
-        checked = paths.agree_recorded, mismatch.agreement
+        # take() agrees on a recorded call through call._agree_recorded
+        checked = call._agree_recorded, mismatch.agreement
 
         def no_agreement(comm, entry, red=None):
             return None
 
         def run():
-            paths.agree_recorded = no_agreement
+            call._agree_recorded = no_agreement
             mismatch.agreement = no_agreement
             try:
                 fn()
             finally:
-                paths.agree_recorded, mismatch.agreement = checked
+                call._agree_recorded, mismatch.agreement = checked
         return run
 
 

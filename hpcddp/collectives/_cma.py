@@ -90,12 +90,14 @@ def copy(fn, pid: int, local: int, remote: int, nbytes: int) -> bool:
 
 
 
-def usable(comm, nbytes: int) -> bool:
-    """Whether a broadcast of NBYTES (at least MIN_BYTES: the dispatch table's row tested it)
-    on COMM should take this path (the same answer on every rank: a collective's arguments
-    agree across ranks)."""
-    return MODE != "0" and comm.size > 1 and \
-        _node.serves(peers(comm), "broadcast", nbytes)
+def usable(comm, nbytes: int):
+    """COMM's Peers where a broadcast of NBYTES (at least MIN_BYTES: the dispatch table's row
+    tested it) should take this path, else None (the same answer on every rank: a
+    collective's arguments agree across ranks)."""
+    if MODE == "0" or comm.size < 2:
+        return None
+    found = peers(comm)
+    return found if _node.serves(found, "broadcast", nbytes) else None
 
 
 def peers(comm):

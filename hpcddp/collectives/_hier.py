@@ -53,11 +53,14 @@ MODE = settings.get().hier
 
 
 
-def usable(comm, nbytes: int, op: str = "all_reduce") -> bool:
-    """Whether OP (a key of RACED) of NBYTES (at least MIN_BYTES: the dispatch table's row
-    tested it) on COMM should take this path (the same answer on every rank of COMM)."""
-    return MODE != "0" and comm.size > 3 and \
-        _node.serves(hier(comm), RACED[op], nbytes)
+def usable(comm, nbytes: int, op: str = "all_reduce"):
+    """COMM's node layout where OP (a key of RACED) of NBYTES (at least MIN_BYTES: the
+    dispatch table's row tested it) should take this path, else None (the same answer on
+    every rank of COMM)."""
+    if MODE == "0" or comm.size < 4:
+        return None
+    found = hier(comm)
+    return found if _node.serves(found, RACED[op], nbytes) else None
 
 
 def agree(comm, entry, red=None) -> None:

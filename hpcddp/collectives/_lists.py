@@ -67,10 +67,13 @@ def _exchange(side, r: int, n: int, sends, recvs, async_op: bool):
     return reqs
 
 
-def _plan(kind, tensors, group, comm, op, ref, own, sends, recvs) -> None:
-    """Plan a validated blocking call's exchange for the next identical one: OWN, the
-    (destination, source) views of the own block's copy or None; SENDS and RECVS, the views
-    to and from each rank, as _exchange takes them."""
+def plan(kind: int, c) -> None:
+    """Plan the blocking call C of KIND (_plans.ALL_GATHER or ALL_TO_ALL) that ran its
+    exchange: ``c.exchange`` is (OWN, the (destination, source) views of the own block's
+    copy or None; SENDS and RECVS, the views to and from each rank, as _exchange takes
+    them)."""
+    comm = c.comm
+    own, sends, recvs = c.exchange
     side = side_comm(comm)
     r, n = comm.rank, comm.size
 
@@ -88,7 +91,8 @@ def _plan(kind, tensors, group, comm, op, ref, own, sends, recvs) -> None:
             table += [sends[dst].ctypes.data, sends[dst].size, dst,
                       recvs[src].ctypes.data, recvs[src].size, src]
         prog = (_plans.SENDRECV, MPI._handleof(side), datatype, array("q", table).tobytes(), TAG)
-    _plans.make_xplan(kind, tensors, group, comm, op, ref.shape, ref.dtype, run, prog)
+    ref = c.tensor if kind == _plans.ALL_GATHER else c.input[0]
+    _plans.make_xplan(kind, c.memo, c.group, comm, c.name, ref.shape, ref.dtype, run, prog)
 
 
 def all_gather(c):
@@ -101,11 +105,8 @@ def all_gather(c):
     if own is not None:
         np.copyto(*own)   # numpy's copy has a fraction of torch's copy_ fixed cost
     sends = [send] * n
-    reqs = _exchange(side, r, n, sends, views, c.async_op)
-    call = (tensor, *tensor_list)
-    if send.size and _plans.worth_planning(_plans.ALL_GATHER, call):
-        _plan(_plans.ALL_GATHER, call, c.group, comm, "all_gather", tensor, own, sends, views)
-    return wait_or_work(c, reqs)
+    c.exchange = (own, sends, views)
+    return wait_or_work(c, _exchange(side, r, n, sends, views, c.async_op))
 
 
 def all_to_all(c):
@@ -125,12 +126,8 @@ def all_to_all(c):
            else None)
     if own is not None:
         np.copyto(*own)
-    reqs = _exchange(side_comm(comm), r, n, ins, outs, c.async_op)
-    call = (*output_tensor_list, *input_tensor_list)
-    if _plans.worth_planning(_plans.ALL_TO_ALL, call):
-        _plan(_plans.ALL_TO_ALL, call, c.group, comm, "all_to_all", input_tensor_list[0], own,
-              list(ins), list(outs))
-    return wait_or_work(c, reqs)
+    c.exchange = (own, list(ins), list(outs))
+    return wait_or_work(c, _exchange(side_comm(comm), r, n, ins, outs, c.async_op))
 
 
 _COMBINE = {_RedOpType.SUM: torch.Tensor.add_, _RedOpType.AVG: torch.Tensor.add_}

@@ -1,7 +1,10 @@
 """Plans: what an op looked up last time for its tensors, so the next call need not.
 
 all_reduce(SUM) plans first, then broadcast plans; the exchange plans (all_to_all_single,
-all_gather, all_to_all) below them.
+all_gather, all_to_all) and point-to-point plans below them. Which calls are planned is one
+policy, take's memo (hpcddp.collectives.call): the second call in a row on the same tensors,
+by the path that ran it (its ``plan_<op>``: the MPI path's calls, the list forms' exchange),
+so the hits below answer from the third call on.
 
 DDP's buckets, loss and metric reductions reduce the same tensors every step. A plan (one
 Plan type for every kind, below) keeps, per tensor (by identity, through a weak reference),
@@ -177,30 +180,6 @@ xplans: tuple = ({}, {}, {}, {})   # per kind: id(first tensor of the call) -> p
 #       MPI_Sendrecv steps with the tag (hpcddp.collectives._lists._exchange)
 #   (ALLGATHER, comm, datatype, count): MPI_Allgather of COUNT elements from the call's tensor 1
 #       into its tensor 0 (all_gather_into_tensor)
-
-
-_seen: tuple = ({}, {}, {}, {})     # per kind: id(first tensor) -> (ids of the call's tensors, plans made)
-MAX_REPLANS = 3
-
-
-def worth_planning(kind: int, tensors: tuple) -> bool:
-    """Whether the full path should plan this call: the second call in a row on the same
-    tensor objects (a list of fresh tensors per call never gets a plan, which would cost it
-    more than it saves), and not a key planned over and over (fresh tensors whose ids the
-    allocator reuses look the same by id: after MAX_REPLANS plans it stays unplanned)."""
-    table = _seen[kind]
-    key = id(tensors[0])
-    ids = tuple(map(id, tensors))
-    seen = table.get(key)
-    if seen is None or seen[0] != ids:
-        if len(table) >= MAX_PLANS:
-            table.clear()
-        table[key] = (ids, 0 if seen is None else seen[1])
-        return False
-    if seen[1] >= MAX_REPLANS:
-        return False
-    table[key] = (ids, seen[1] + 1)
-    return True
 
 
 def make_xplan(kind: int, tensors: tuple, group, comm, op: str, shape, dtype, run,

@@ -43,12 +43,15 @@ _TAG_RS, _TAG_AG = 1, 2
 
 
 
-def usable(comm, nbytes: int, arr, mop) -> bool:
-    """Whether an all_reduce of ARR (NBYTES, at least MIN_BYTES: the dispatch table's row
-    tested it) with MPI op MOP on COMM takes the ring (the same answer on every rank of COMM:
-    the call's arguments agree, and the group's layout is found collectively on first use)."""
-    return (MODE != "0" and comm.size > 1 and mop == MPI.SUM
-            and arr.dtype in ADDABLE and _node.serves(ring(comm), "all_reduce", nbytes))
+def usable(comm, nbytes: int, arr, mop):
+    """COMM's ring where an all_reduce of ARR (NBYTES, at least MIN_BYTES: the dispatch
+    table's row tested it) with MPI op MOP should take it, else None (the same answer on
+    every rank of COMM: the call's arguments agree, and the group's layout is found
+    collectively on first use)."""
+    if MODE == "0" or comm.size < 2 or mop != MPI.SUM or arr.dtype not in ADDABLE:
+        return None
+    found = ring(comm)
+    return found if _node.serves(found, "all_reduce", nbytes) else None
 
 
 def ring(comm):

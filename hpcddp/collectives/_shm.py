@@ -67,12 +67,14 @@ RACED = {"all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter",
          "reduce_scatter_tensor": "reduce_scatter"}
 
 
-def usable(comm, nbytes: int, dtype, kind, op: str = "all_reduce") -> bool:
-    """Whether OP (all_reduce or a reduce_scatter; NBYTES: the whole input, at least
-    MIN_BYTES: the dispatch table's row tested it) should take this path (the same answer on
-    every rank of COMM: the arguments of a collective agree across ranks)."""
-    return (MODE != "0" and comm.size > 1 and kind in KINDS
-            and dtype is not torch.bool and _node.serves(arena(comm), RACED[op], nbytes))
+def usable(comm, nbytes: int, dtype, kind, op: str = "all_reduce"):
+    """COMM's arena where OP (all_reduce or a reduce_scatter; NBYTES: the whole input, at
+    least MIN_BYTES: the dispatch table's row tested it) should take this path, else None
+    (the same answer on every rank of COMM: the arguments of a collective agree)."""
+    if MODE == "0" or comm.size < 2 or kind not in KINDS or dtype is torch.bool:
+        return None
+    found = arena(comm)
+    return found if _node.serves(found, RACED[op], nbytes) else None
 
 
 def arena(comm):

@@ -4,18 +4,16 @@ Signatures and semantics follow torch.distributed; all members of the group call
 """
 from __future__ import annotations
 
-from array import array
 from itertools import accumulate
 
 from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
-from hpcddp.collectives import _plans
 from hpcddp.collectives._plans import A2A_SINGLE, ALL_TO_ALL, xhit as _xhit
-from hpcddp.collectives._common import as_array, as_arrays, check_list, resolve
+from hpcddp.collectives._common import as_array, as_arrays, check_list
 from hpcddp.collectives import engine as _engine
-from hpcddp.collectives.paths import Call, pair, route, take
+from hpcddp.collectives.call import Call, pair, resolve, take
+from hpcddp.collectives.paths import route
 from hpcddp.comm.buffers import DeviceTensor
-from hpcddp.comm._mpi import MPI
 
 _even: dict = {}   # (group size, elements) -> (counts, displacements) of even blocks
 
@@ -55,22 +53,6 @@ def v_layout(output, input, output_split_sizes, input_split_sizes, n: int, r: in
             rcounts, list(accumulate(rcounts[:-1], initial=0)))
 
 
-def _plan_even(output, input, group, comm, out, inp, layout) -> None:
-    """Plan the validated even-blocks call (OUT, INP: the views) for the next one."""
-    mpi = comm.mpi
-    counts, displs = layout
-    spec = (counts, displs)
-
-    def run():
-        mpi.Ialltoallv([inp, spec], [out, spec]).Wait()
-    datatype = _plans.datatype_handle(inp)
-    prog = None if datatype is None else (
-        _plans.ALLTOALLV, MPI._handleof(mpi), datatype,
-        array("i", counts + displs + counts + displs).tobytes(), 0)
-    _plans.make_xplan(A2A_SINGLE, (output, input), group, comm, "all_to_all", input.shape,
-                      input.dtype, run, prog)
-
-
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
     """Split INPUT along dim 0 and send block j to rank j; receive into OUTPUT in rank order.
@@ -89,15 +71,18 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         call.splits = (output_split_sizes, input_split_sizes)
     else:
         call.nbytes = call.inp.nbytes
-        call.layout = _layout(output, input, call.out, call.inp, output_split_sizes,
-                              input_split_sizes, group, call.comm)   # counts, displacements
+        # counts, displacements; even blocks of a blocking call are planned on its second call
+        call.layout, even = _layout(output, input, call.out, call.inp, output_split_sizes,
+                                    input_split_sizes, call.comm)
+        if even and not async_op and call.inp.size:
+            call.memo = (output, input)
     call.name = "all_to_all"
     return take(_ALL_TO_ALL_SINGLE, call)
 
 
-def _layout(output, input, out, inp, output_split_sizes, input_split_sizes, group, comm):
-    """(send counts, send displacements, receive counts, receive displacements), validated;
-    an even-blocks call seen twice is planned."""
+def _layout(output, input, out, inp, output_split_sizes, input_split_sizes, comm):
+    """((send counts, send displacements, receive counts, receive displacements), whether
+    the blocks are even), validated."""
     fn = "all_to_all_single"
     if input.dtype != output.dtype:
         raise TypeError(f"{fn}: output has dtype {output.dtype}, expected {input.dtype} (input's)")
@@ -126,9 +111,7 @@ def _layout(output, input, out, inp, output_split_sizes, input_split_sizes, grou
     if inp.size and output.data_ptr() == input.data_ptr():
         raise ValueError(f"{fn}: output and input are the same memory; an all-to-all reads "
                          f"input while it writes output: pass separate tensors")
-    if layout is not None and inp.size and _plans.worth_planning(A2A_SINGLE, (output, input)):
-        _plan_even(output, input, group, comm, out, inp, layout)
-    return counts
+    return counts, layout is not None
 
 
 _ALL_TO_ALL_SINGLE = route("all_to_all_single")
@@ -148,7 +131,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     check_list(output_tensor_list, n, fn, "output_tensor_list")
     ref = input_tensor_list[0]
     call = Call()
-    call.comm, call.group, call.async_op = comm, group, async_op
+    call.comm, call.group, call.async_op, call.memo = comm, group, async_op, None
     call.output, call.input = output_tensor_list, input_tensor_list
     try:
         as_array(ref, fn, "input_tensor_list[0]")
@@ -160,6 +143,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
         call.out = as_arrays(output_tensor_list, ref, fn, "output_tensor_list",
                              same_shape=False)
         call.block = 0                          # blocks of any size
+        if not async_op:
+            call.memo = (*output_tensor_list, *input_tensor_list)
     call.name, call.shape, call.dtype, call.root, call.red = (fn, ref.shape, ref.dtype, None,
                                                               None)
     call.results = list(output_tensor_list)

@@ -9,29 +9,30 @@ from __future__ import annotations
 from hpcddp.collectives import _lists
 from hpcddp.collectives import engine as _engine
 from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, check_list,
-                                        resolve, same_spec)
+                                        same_spec)
 from hpcddp.collectives._plans import (ALL_GATHER, ALL_GATHER_TENSOR, bhit as _bcast_hit,
                                        xhit as _xhit)
-from hpcddp.collectives.paths import Call, pair, route, take
+from hpcddp.collectives.call import Call, pair, resolve, take
+from hpcddp.collectives.paths import route
 from hpcddp.comm.buffers import DeviceTensor
 
 
 def _one(fn: str, tensor, group, async_op, root_arg: str | None = None, root=None) -> Call:
     """The Call of an op on one tensor (and, ROOT_ARG, a root rank), validated."""
-    comm = resolve(group, fn)
-    if root_arg is not None:
-        comm.check_rank(root, fn, root_arg)
     call = Call()
-    call.comm, call.group, call.async_op, call.tensor, call.root = (comm, group, async_op,
-                                                                    tensor, root)
     try:
         call.arr = as_array(tensor, fn, "tensor")
     except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): the device path checks
         call.device, call.nbytes = True, 0
     else:
         call.device, call.nbytes = False, call.arr.nbytes
+    comm = resolve(group, fn)
+    if root_arg is not None:
+        comm.check_rank(root, fn, root_arg)
+    call.comm, call.group, call.async_op, call.tensor, call.root = (comm, group, async_op,
+                                                                    tensor, root)
     call.name, call.shape, call.dtype, call.red = fn, tensor.shape, tensor.dtype, None
-    call.results = [tensor]
+    call.results, call.memo = [tensor], None
     return call
 
 
@@ -46,7 +47,9 @@ def broadcast(tensor, src, group=None, async_op=False):
     # blocking whatever async_op, as all_reduce's (paths/mpi.py says why)
     if not _engine.pending and not (async_op and _engine.on()) and _bcast_hit(tensor, src, group):
         return None if not async_op else CompletedWork([tensor])
-    return take(_BROADCAST, _one("broadcast", tensor, group, async_op, "src", src))
+    call = _one("broadcast", tensor, group, async_op, "src", src)
+    call.memo = (tensor,)
+    return take(_BROADCAST, call)
 
 
 _BROADCAST = route("broadcast")
@@ -77,6 +80,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
                              f"{input_tensor.numel()} x group size {comm.size})")
         call.nbytes = call.out.nbytes
         call.arr = call.out                     # the hierarchical row's count test
+        if not async_op:
+            call.memo = (output_tensor, input_tensor)
     call.name = "all_gather"
     return take(_ALL_GATHER_INTO_TENSOR, call)
 
@@ -104,7 +109,11 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
                 raise ValueError(f"{fn}: tensor_list[{i}] has {v.size} elements, expected "
                                  f"{send.size} (tensor's; every rank sends the same size)")
         call.block = send.size                  # one block, the same on every rank
-    call.results = list(tensor_list) if isinstance(tensor_list, (list, tuple)) else []
+        call.results = list(tensor_list)
+        if not async_op and send.size:
+            call.memo = (tensor, *tensor_list)
+    else:
+        call.results = []
     return take(_ALL_GATHER, call)
 
 

@@ -2,11 +2,12 @@
 
 Peers are group ranks. Tags are non-negative ints up to the MPI library's MPI_TAG_UB.
 
-A tensor sent (or received into) again with the same peer, tag and group runs from a plan
-(hpcddp.collectives._plans: the C hit checks it, records it and starts MPI in one call), and
+A tensor sent (or received into) with the same peer, tag and group a second time in a row is
+planned (hpcddp.collectives.call.take's memo), and from the third call it runs from its plan
+(hpcddp.collectives._plans: the C hit checks it, records it and starts MPI in one call);
 isend/irecv then return a C ``P2PWork`` (torch Work's methods, one MPI request). The first
-call takes the full path below, which validates, plans and starts the same way. Without the
-C module, for counts over MPI's int and on the GPU staging path they return a :class:`Work`.
+calls take the full path below and return a :class:`Work`, as do calls without the C module,
+for counts over MPI's int and on the GPU staging path.
 
 Every receive checks, once it completes, that the message had the tensor's numel: MPI
 completes a shorter one as if nothing were wrong and reports a longer one as a bare
@@ -15,10 +16,11 @@ an error naming the call, the sender, the tag and both sizes (work.count_error).
 """
 from __future__ import annotations
 
-from hpcddp.collectives._common import as_array, resolve
+from hpcddp.collectives._common import as_array
 from hpcddp.collectives import _large
 from hpcddp.collectives._plans import ISEND, IRECV, SEND, RECV, phit
-from hpcddp.collectives.paths import Call, route, take
+from hpcddp.collectives.call import Call, resolve, take
+from hpcddp.collectives.paths import route
 from hpcddp.comm.buffers import DeviceTensor
 from hpcddp.comm._mpi import MPI
 
@@ -53,6 +55,9 @@ def _p2p(fn: str, tensor, peer, group, tag, plan: bool = True) -> Call:
     call = Call()
     call.comm, call.group, call.async_op, call.tensor = comm, group, True, tensor
     call.root, call.tag, call.plannable = peer, tag, plan
+    # planned on its second call in a row (the C hit then starts it: P2PWork); the record is
+    # the path's (point-to-point ops have their own numbering)
+    call.memo = (tensor,) if plan else None
     try:
         call.arr = as_array(tensor, fn, "tensor")
     except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): the device path checks

@@ -10,10 +10,10 @@ import torch.distributed as dist
 
 from hpcddp.collectives import _large
 from hpcddp.collectives import engine as _engine
-from hpcddp.collectives._common import (CompletedWork, as_array, check_list, reduce_op,
-                                        resolve, same_spec)
+from hpcddp.collectives._common import CompletedWork, as_array, check_list, same_spec
 from hpcddp.collectives._plans import hit as _plan_hit
-from hpcddp.collectives.paths import Call, route, take
+from hpcddp.collectives.call import Call, reduce_op, resolve, take
+from hpcddp.collectives.paths import route
 from hpcddp.comm.buffers import DeviceTensor
 
 SUM = dist.ReduceOp.SUM
@@ -24,19 +24,19 @@ PREMUL_KIND = dist.ReduceOp.RedOpType.PREMUL_SUM
 def _reduction(fn: str, tensor, op, group, async_op, arg: str = "tensor") -> Call:
     """The Call of an op reducing TENSOR with OP (validated; CUDA tensors: ``device``)."""
     call = Call()
-    call.comm, call.group, call.async_op = resolve(group, fn), group, async_op
-    call.tensor, call.dtype, call.op = tensor, tensor.dtype, op
-    # the MPI op: on the device too, where a user-defined one (bfloat16) keeps it off the
-    # CUDA-aware row
-    call.mop, call.kind = reduce_op(op, tensor.dtype, fn)
     try:
         call.arr = as_array(tensor, fn, arg)
     except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): the device path checks
         call.device, call.nbytes = True, 0
     else:
         call.device, call.nbytes = False, call.arr.nbytes
+    call.comm, call.group, call.async_op = resolve(group, fn), group, async_op
+    call.tensor, call.dtype, call.op = tensor, tensor.dtype, op
+    # the MPI op: on the device too, where a user-defined one (bfloat16) keeps it off the
+    # CUDA-aware row
+    call.mop, call.kind = reduce_op(op, tensor.dtype, fn)
     call.name, call.shape, call.root, call.red = fn, tensor.shape, None, call.kind
-    call.results = [tensor]
+    call.results, call.memo = [tensor], None
     return call
 
 
@@ -53,7 +53,10 @@ def all_reduce(tensor, op=SUM, group=None, async_op=False):
     if (op is SUM or op == SUM) and not _engine.pending \
             and not (async_op and _engine.on()) and _plan_hit(tensor, group):
         return None if not async_op else CompletedWork([tensor])
-    return take(_ALL_REDUCE, _reduction("all_reduce", tensor, op, group, async_op))
+    call = _reduction("all_reduce", tensor, op, group, async_op)
+    if call.kind == SUM_KIND:       # ==: torch hands out new enum objects
+        call.memo = (tensor,)       # a SUM is planned on its second call in a row
+    return take(_ALL_REDUCE, call)
 
 
 _ALL_REDUCE = route("all_reduce")

@@ -8,7 +8,8 @@ import importlib
 import pytest
 
 from hpcddp.collectives import paths
-from hpcddp.collectives.paths import Call, Path, _run, route, take
+from hpcddp.collectives.call import Call, run_host as _run, take
+from hpcddp.collectives.paths import Path, route
 
 # each op's route, where its module keeps it
 ROUTES = {
@@ -31,9 +32,10 @@ METHOD = {"send/recv/isend/irecv": "isend"}
 @pytest.mark.parametrize("op", sorted(ROUTES))
 def test_every_op_runs_its_table_rows_in_order(op):
     module, name = ROUTES[op]
-    aware, on_aware, staged, floor, last, rows, queued = getattr(
+    aware, on_aware, staged, floor, last, rows, queued, memo_key = getattr(
         importlib.import_module(f"hpcddp.collectives.{module}"), name)
     method = METHOD.get(op, op)
+    assert memo_key == method   # the plan memo files calls under it
     # collectives may be queued on the async engine; point-to-point ops never are
     assert queued is (op not in paths.POSTED)
     table = [p for p in paths.PATHS[op] if not p.before_call]
@@ -44,18 +46,21 @@ def test_every_op_runs_its_table_rows_in_order(op):
     assert staged == getattr(paths.STAGED.via, method)
     host = table[2:]
     # each row's condition is the table's, told the op (a path serves each op from its own size)
-    assert [(m, a and (a.func, a.keywords)) for m, a, _ in rows] == \
+    assert [(m, a and (a.func, a.keywords)) for m, a, _, _ in rows] == \
         [(p.min_bytes, p.applies and (p.applies, {"op": op})) for p in host]
     # each row runs its path's method of the op's name
-    assert [run for _, _, run in rows] == [getattr(p.via, method) for p in host]
-    assert last is rows[-1][2] and rows[-1][1] is None
+    assert [run for _, _, run, _ in rows] == [getattr(p.via, method) for p in host]
+    # and its planner where it has one (the MPI path, the list forms)
+    assert [plan for _, _, _, plan in rows] == [getattr(p.via, f"plan_{method}", None)
+                                                for p in host]
+    assert last == rows[-1][2:] and rows[-1][1] is None
     assert floor == min((p.min_bytes for p in host[:-1]), default=1 << 62)
 
 
 def test_the_p2p_ops_share_one_row_list():
     p2p = importlib.import_module("hpcddp.collectives.p2p")
     for r in (p2p._SEND, p2p._RECV, p2p._IRECV):
-        assert [(m, a) for m, a, _ in r[5]] == [(m, a) for m, a, _ in p2p._ISEND[5]]
+        assert [(m, a) for m, a, _, _ in r[5]] == [(m, a) for m, a, _, _ in p2p._ISEND[5]]
 
 
 def test_every_path_has_a_method_for_every_op_it_claims():

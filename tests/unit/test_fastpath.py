@@ -61,7 +61,9 @@ HIT = r'''
     assert hit is _fastpath.all_reduce_sum
     t = torch.arange(6, dtype=torch.float32)
     assert hit(t, None) is False                 # no plan yet
-    hpcddp.all_reduce(t)                         # plans it
+    hpcddp.all_reduce(t)                         # seen once: no plan for a single call
+    assert hit(t, None) is False
+    hpcddp.all_reduce(t)                         # the same tensor again: planned
     seq = world.seq
     assert hit(t, None) is True and hit(t, world) is True and world.seq == seq + 2
     e = max((e for e in REC.RECORDER.buf if e is not None), key=lambda e: e[0])
@@ -71,7 +73,7 @@ HIT = r'''
     assert hit(t, other) is False                # another group
     t.resize_(3)
     assert hit(t, None) is False                 # same memory, fewer elements
-    hpcddp.all_reduce(t); assert hit(t, None) is True
+    hpcddp.all_reduce(t); assert hit(t, None) is True    # seen before: planned again
     t.set_(torch.zeros(3))
     assert hit(t, None) is False                 # other memory, same object and size
     for x in (None, 3, "t", [t]):
@@ -84,14 +86,15 @@ HIT = r'''
         raise AssertionError("one argument accepted")
     seq = world.seq
     u = torch.ones(4, dtype=torch.bfloat16)      # a user-defined MPI op (bf16 SUM)
-    hpcddp.all_reduce(u); assert hit(u, None) is True and world.seq == seq + 2
+    hpcddp.all_reduce(u); hpcddp.all_reduce(u)
+    assert hit(u, None) is True and world.seq == seq + 3
     big = torch.zeros(8)
     v = big[:4]
-    hpcddp.all_reduce(v); assert hit(v, None) is True
+    hpcddp.all_reduce(v); hpcddp.all_reduce(v); assert hit(v, None) is True
     v.as_strided_((4,), (2,))                    # same memory and size, not one block
     assert hit(v, None) is False
     w = torch.ones(4)
-    hpcddp.all_reduce(w); assert hit(w, None) is True
+    hpcddp.all_reduce(w); hpcddp.all_reduce(w); assert hit(w, None) is True
     w.data = w.view(torch.int32)                 # same memory and size, another dtype
     assert hit(w, None) is False and _plans.hit_py(w, None) is False
 
@@ -161,7 +164,7 @@ def test_every_plan_table_drops_a_plan_with_its_first_tensor():
         from hpcddp import collectives as C
         from hpcddp.collectives import _plans
         hpcddp.init()
-        t = torch.ones(4); C.all_reduce(t)
+        t = torch.ones(4); C.all_reduce(t); C.all_reduce(t)
         o, i = torch.zeros(4), torch.ones(4)
         for _ in range(3):
             C.all_to_all_single(o, i)
@@ -174,7 +177,7 @@ def test_every_plan_table_drops_a_plan_with_its_first_tensor():
         _plans.MAX_PLANS = 2
         kept = [torch.ones(2) for _ in range(3)]
         for x in kept:
-            C.all_reduce(x)
+            C.all_reduce(x); C.all_reduce(x)
         assert len(_plans.plans) == 1 and id(kept[2]) in _plans.plans, "a full table is cleared"
         print("ok")
     """)

@@ -1,5 +1,5 @@
-"""The dispatch table: every op's paths in the order they are tried, and :func:`take`, the one
-place every validated call goes through.
+"""The dispatch table: every op's paths in the order they are tried, the path objects, and
+:func:`route`, an op's rows for :func:`hpcddp.collectives.call.take`.
 
 A path is an object that owns its ops, one method per op it serves (``OPS`` names them): the
 MPI path (:mod:`.mpi`, every op; counts over MPI's int limit in pieces), the shared-memory
@@ -8,16 +8,15 @@ the ring over TCP links (:mod:`.ring`), the list forms' point-to-point exchange 
 and the two device paths for CUDA tensors (:mod:`.device`). A path that serves a call from
 some size on has ``min_bytes`` (a compare, so small calls skip it without a function call)
 and ``applies(call, op)`` (what the group and the job decide: ranks on one node, a start-up
-race against MPI, a switch in docs/settings.md); the MPI path always applies.
+race against MPI, a switch in docs/settings.md); the MPI path always applies. A path that
+can replay an op has its planner, ``plan_<op>`` (take's memo calls it).
 
 An op (reduce.py, gather.py, alltoall.py, p2p.py) validates its arguments once into a
-:class:`~.call.Call` and hands it to :func:`take` with its :func:`route`: take records the
-call in the flight recorder (and, where large, agrees on it across ranks), runs it on the
-first path of the op's row list that applies, on the caller's thread or queued on the async
-engine, then ends its record and answers (None, or a Work). The plan-hit rows
-(``before_call``) run before validation, on the raw arguments of a call the MPI or list path
-planned before (hpcddp.collectives._plans); ``hpcddp info`` prints the whole table for the
-running job, each path open or closed and why (:func:`table`).
+:class:`~hpcddp.collectives.call.Call` and hands it to ``take`` with its route: take records
+it, runs the first of the op's rows that applies, ends the record, answers and plans a
+repeat. The plan-hit rows (``before_call``) run before validation, on the raw arguments of a
+call planned before (hpcddp.collectives._plans); ``hpcddp info`` prints the whole table for
+the running job, each path open or closed and why (:func:`table`).
 
 Adding a path: one class (its ops as methods, ``OPS``, ``min_bytes``, ``applies``, ``state``)
 and its rows below. Adding an op: a row list here, a method on each path that serves it
@@ -30,25 +29,15 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hpcddp.collectives import _node, _plans, _ring
-from hpcddp.collectives import engine as _engine
-from hpcddp.collectives._common import agree_recorded
+from hpcddp.collectives.call import Call, pair, take  # noqa: F401  (the ops' import)
 from hpcddp.collectives.paths.arena import ARENA
-from hpcddp.collectives.paths.call import Call, pair  # noqa: F401  (the ops' import)
 from hpcddp.collectives.paths.cma import CMA
 from hpcddp.collectives.paths.device import CUDA_AWARE as _CUDA_AWARE, STAGED as _STAGED
 from hpcddp.collectives.paths.hier import HIER
 from hpcddp.collectives.paths.lists import LISTS
 from hpcddp.collectives.paths.mpi import MPI_PATH
 from hpcddp.collectives.paths.ring import RING
-from hpcddp.collectives.work import CompletedWork
-from hpcddp.diagnostics import recorder as _rec
-from hpcddp.diagnostics.mismatch import AGREE_BYTES, enabled as _detail
-
-_start = _rec.start
-_T_END, _TICK = _rec.T_END, _rec.TICK
-# where take runs the cross-rank agreement after the record: every collective with
-# HPCDDP_DEBUG=detail, else those of at least AGREE_BYTES (agree_recorded re-tests exactly)
-_AGREE_FROM = 0 if _detail() else AGREE_BYTES
+from hpcddp.diagnostics.mismatch import AGREE_BYTES
 
 
 @dataclass(frozen=True)
@@ -89,8 +78,8 @@ def _p2p_plan_hit(comm, op) -> str:     # no Python hit: without the C module, n
         f"closed (point-to-point plans run only in the C module: {_plans.WHY_PYTHON})"
 
 
-# the exchange plans are made on the second call in a row on the same tensors
-# (_plans.worth_planning: fresh tensors per call never pay for one), so they hit from the third
+# every plan is made on the second call in a row on the same tensors (take's memo: fresh
+# tensors per call never pay for one), so the hits answer from the third
 PLAN = Path("plan hit", "the same tensors as the two calls before, blocking, "
             f"below {_mib(AGREE_BYTES)}", state_of=_plan_hit)
 # the device rows: every op's first two; take() asks them only for a call on CUDA tensors
@@ -115,11 +104,11 @@ def _mpi(call: str, pieces: bool = True) -> Path:
 
 
 PATHS: dict[str, tuple[Path, ...]] = {
-    "all_reduce": (Path("plan hit", f"SUM of a tensor reduced before, below {_mib(AGREE_BYTES)}",
-                        state_of=_plan_hit), *DEVICE, ARENA_ROW, HIER_ROW, RING_ROW,
+    "all_reduce": (Path("plan hit", "SUM of the tensor of the two calls before, below "
+                        f"{_mib(AGREE_BYTES)}", state_of=_plan_hit), *DEVICE, ARENA_ROW, HIER_ROW, RING_ROW,
                    _mpi("Allreduce")),
-    "broadcast": (Path("plan hit", "a tensor broadcast before from the same root, blocking, "
-                       f"below {_mib(AGREE_BYTES)}", state_of=_plan_hit), *DEVICE,
+    "broadcast": (Path("plan hit", "the tensor of the two calls before, from the same root, "
+                       f"blocking, below {_mib(AGREE_BYTES)}", state_of=_plan_hit), *DEVICE,
                   Path("CMA", RACED, CMA), HIER_ROW, _mpi("Bcast")),
     "reduce": (*DEVICE, _mpi("Reduce")),
     "reduce_scatter": (*DEVICE, ARENA_ROW,
@@ -135,8 +124,8 @@ PATHS: dict[str, tuple[Path, ...]] = {
     "all_to_all_single": (Path("plan hit", "even blocks, the same tensors as the two calls "
                                "before", state_of=_plan_hit), *DEVICE,
                           _mpi("Ialltoallv", pieces=False)),
-    "send/recv/isend/irecv": (Path("plan hit", "a tensor sent or received before, same peer "
-                                   "and tag (C module only)", state_of=_p2p_plan_hit),
+    "send/recv/isend/irecv": (Path("plan hit", "the tensor of the two calls before, same "
+                                   "peer and tag (C module only)", state_of=_p2p_plan_hit),
                               *DEVICE, _mpi("Send/Recv (or Isend/Irecv)")),
     "barrier": (Path("MPI Barrier", "always", state_of=lambda comm, op: "open"),),
 }
@@ -149,8 +138,8 @@ POSTED = frozenset({"send/recv/isend/irecv"})
 
 
 def route(op: str, method: str | None = None) -> tuple:
-    """OP's rows for :func:`take`: each row's path and its method METHOD (default OP), in
-    table order. Refused at import: a row whose path does not serve the op, device rows that
+    """OP's rows for :func:`~hpcddp.collectives.call.take`: each row's path and its method
+    METHOD (default OP), in table order. Refused at import: a row whose path does not serve the op, device rows that
     do not come first, a last row that does not always apply."""
     rows = [p for p in PATHS[op] if not p.before_call]
     name = method or op
@@ -161,79 +150,16 @@ def route(op: str, method: str | None = None) -> tuple:
         raise RuntimeError(f"route({op!r}): the table's rows are {[p.name for p in rows]} (the "
                            f"device rows first, a last row that always applies); the rows "
                            f"whose path has no method {name!r}: {missing}")
-    runs = [getattr(p.via, name) for p in host]
+    # each row: its method for the op, and its planner (``plan_<op>``) where it has one
+    runs = [(getattr(p.via, name), getattr(p.via, f"plan_{name}", None)) for p in host]
     # below every middle row's min_bytes a call goes straight to the last row, the one a
     # small call takes: no row to ask (0 where a middle row applies at any size)
     floor = min((p.min_bytes for p in host[:-1]), default=1 << 62)
     return (CUDA_AWARE.applies, getattr(CUDA_AWARE.via, name), getattr(STAGED.via, name),
             floor, runs[-1],
-            tuple((p.min_bytes, p.applies and functools.partial(p.applies, op=op), run)
-                  for p, run in zip(host, runs)),
-            op not in POSTED)
-
-
-def take(route: tuple, call: Call):
-    """Run CALL on the first of ROUTE's paths that applies (the last, MPI, always does).
-
-    A call on CUDA tensors goes to a device row. A collective is recorded here (and, where
-    large, agreed on by every rank before any path is asked: a node-local path's first use is
-    collective, and the arguments that choose it are the ones agreed on), runs on the
-    caller's thread, or queued on the async engine (hpcddp.collectives.engine) where it is
-    async and the engine on, or where calls issued before it are still queued; its path
-    returns None once it is complete (take ends the record and answers: None, or a completed
-    Work for async_op) or the Work that completes it. Point-to-point ops go straight to their
-    path, which records them."""
-    if call.device:       # the device rows (a flag, tested without a call)
-        _engine.drain()   # the caller's thread keeps its CUDA stream
-        return route[1](call) if route[0](call) else route[2](call)
-    if not route[6]:
-        return _run(route, call)
-    if _engine.pending or call.async_op and _engine.on():
-        # recorded now, in issue order; the agreement runs on the engine's thread, just
-        # before the call, in the same order on every rank
-        call.entry = _start(call.comm, call.name, call.shape, call.dtype, call.root)
-        run = functools.partial(_queued, route)
-        if call.async_op:
-            return _engine.submit(run, call)
-        _engine.in_order(run, call)
-        return None
-    # the caller's thread: the rows asked inline (this is every blocking call's way)
-    call.entry = entry = _start(call.comm, call.name, call.shape, call.dtype, call.root)
-    nbytes = call.nbytes
-    if nbytes >= _AGREE_FROM:
-        agree_recorded(call.comm, entry, call.red)
-    if nbytes < route[3]:    # smaller than every middle row's min_bytes
-        done = route[4](call)
-    else:
-        for min_bytes, applies, run in route[5]:
-            if nbytes >= min_bytes and (applies is None or applies(call)):
-                done = run(call)
-                break
-    if done is None:         # complete: the record's end (recorder.end, inline) and answer
-        entry[_T_END] = _TICK[0]
-        return CompletedWork(call.results) if call.async_op else None
-    return done
-
-
-def _queued(route: tuple, call: Call):
-    """A queued CALL on the engine's thread: the cross-rank agreement, its row, its end."""
-    entry = call.entry
-    agree_recorded(call.comm, entry, call.red)
-    done = _run(route, call)
-    if done is None:
-        entry[_T_END] = _TICK[0]
-        return CompletedWork(call.results)
-    return done
-
-
-def _run(route: tuple, call: Call):
-    """CALL (on CPU tensors) on the first of ROUTE's host rows that applies: what it returns."""
-    nbytes = call.nbytes
-    if nbytes < route[3]:
-        return route[4](call)
-    for min_bytes, applies, run in route[5]:
-        if nbytes >= min_bytes and (applies is None or applies(call)):
-            return run(call)
+            tuple((p.min_bytes, p.applies and functools.partial(p.applies, op=op), run, plan)
+                  for p, (run, plan) in zip(host, runs)),
+            op not in POSTED, name)
 
 
 def table(comm) -> list[dict]:

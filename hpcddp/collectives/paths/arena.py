@@ -21,13 +21,14 @@ class ArenaPath:
 
     @staticmethod
     def applies(c, op: str) -> bool:
-        return _shm.usable(c.comm, c.nbytes, c.dtype, c.kind, op)
+        c.via = _shm.usable(c.comm, c.nbytes, c.dtype, c.kind, op)     # the group's Arena
+        return c.via is not None
 
     @staticmethod
     def all_reduce(c):
         def path_sum():
             check = _mismatch.agreement(c.comm, c.entry, c.kind)
-            if not _shm.arena(c.comm).all_reduce(c.tensor.view(-1), check):
+            if not c.via.all_reduce(c.tensor.view(-1), check):
                 check.refuse(c.entry)
         sum_in_place(c, path_sum)
 
@@ -48,7 +49,7 @@ def _reduce_scatter(c, blocks) -> None:
         for b in blocks:
             pre_reduce(b, c.op, c.kind)
     check = _mismatch.agreement(c.comm, c.entry, c.kind)
-    if not _shm.arena(c.comm).reduce_scatter(blocks, c.tensor.view(-1), check):
+    if not c.via.reduce_scatter(blocks, c.tensor.view(-1), check):
         check.refuse(c.entry)
     post_reduce(c.tensor, c.kind, c.comm.size)
 

@@ -17,12 +17,13 @@ class CmaPath:
 
     @staticmethod
     def applies(c, op: str) -> bool:
-        return _cma.usable(c.comm, c.nbytes)
+        c.via = _cma.usable(c.comm, c.nbytes)       # the group's Peers
+        return c.via is not None
 
     @staticmethod
     def broadcast(c):
         check = _mismatch.agreement(c.comm, c.entry)
-        if not _cma.peers(c.comm).broadcast(c.arr, c.root, check):
+        if not c.via.broadcast(c.arr, c.root, check):
             check.refuse(c.entry)
 
 

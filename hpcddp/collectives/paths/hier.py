@@ -19,29 +19,30 @@ class HierPath:
 
     @staticmethod
     def applies(c, op: str) -> bool:     # pieces over MPI's count limit take the MPI row
-        return _hier.usable(c.comm, c.nbytes, op) and not _large.too_big(c.arr)
+        c.via = None if _large.too_big(c.arr) else _hier.usable(c.comm, c.nbytes, op)
+        return c.via is not None         # the group's Hier
 
     @staticmethod
     def all_reduce(c):
         _hier.agree(c.comm, c.entry, c.kind)
-        sum_in_place(c, lambda: _hier.hier(c.comm).all_reduce(c.arr, c.mop))
+        sum_in_place(c, lambda: c.via.all_reduce(c.arr, c.mop))
 
     @staticmethod
     def reduce_scatter_tensor(c):
         _hier.agree(c.comm, c.entry, c.kind)
         _, inp = premultiplied(c)
-        _hier.hier(c.comm).reduce_scatter(inp, c.arr, c.mop)
+        c.via.reduce_scatter(inp, c.arr, c.mop)
         post_reduce(c.tensor, c.kind, c.comm.size)
 
     @staticmethod
     def broadcast(c):
         _hier.agree(c.comm, c.entry)
-        _hier.hier(c.comm).broadcast(c.arr, c.root)
+        c.via.broadcast(c.arr, c.root)
 
     @staticmethod
     def all_gather_into_tensor(c):
         _hier.agree(c.comm, c.entry)
-        _hier.hier(c.comm).all_gather(c.inp, c.out)
+        c.via.all_gather(c.inp, c.out)
 
 
 HIER = HierPath()

@@ -3,7 +3,7 @@ lists of separate tensors, each block straight from its tensor into its tensor
 (hpcddp.collectives._lists), on groups of up to HPCDDP_LIST_P2P_MAX_RANKS ranks."""
 from __future__ import annotations
 
-from hpcddp.collectives import _lists
+from hpcddp.collectives import _lists, _plans
 
 
 class ListsPath:
@@ -33,6 +33,15 @@ class ListsPath:
     @staticmethod
     def reduce_scatter(c):  # zero-copy inputs
         return _lists.reduce_scatter(c)
+
+    # a blocking call's exchange, as it ran, planned (take's memo: the second call in a row)
+    @staticmethod
+    def plan_all_gather(c):
+        _lists.plan(_plans.ALL_GATHER, c)
+
+    @staticmethod
+    def plan_all_to_all(c):
+        _lists.plan(_plans.ALL_TO_ALL, c)
 
 
 LISTS = ListsPath()

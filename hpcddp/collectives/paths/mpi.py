@@ -3,8 +3,9 @@ list (it always applies).
 
 Counts over MPI's int limit (2^31-1 elements) are this path's own business: the calls that
 MPI refuses travel in pieces (hpcddp.collectives._large), found only when MPI refuses one, so
-they cost nothing until then. A repeated small call is planned here, after MPI ran it, for
-the plan-hit rows (hpcddp.collectives._plans) to replay.
+they cost nothing until then. The planners (``plan_<op>``) file what MPI ran for the
+plan-hit rows (hpcddp.collectives._plans) to replay, where take's memo says (the second call
+in a row on the same tensors).
 
 Each method takes a validated :class:`~hpcddp.collectives.paths.call.Call` and returns None
 once the op is complete (``take`` ends its record and answers) or, for an ``async_op`` call
@@ -12,12 +13,14 @@ left in flight, the Work that completes it.
 """
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from hpcddp.collectives import _large, _plans
 from hpcddp.collectives._common import (IN_PLACE, as_array, finish_or_work, post_reduce,
                                         pre_reduce, record_end, record_p2p, wait_or_work)
-from hpcddp.collectives._plans import ALL_GATHER_TENSOR, IRECV, ISEND, RECV, SEND
+from hpcddp.collectives._plans import ALL_GATHER_TENSOR
 from hpcddp.collectives.work import RecvWork, check_count, truncation
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.ops import RedOpType
@@ -62,9 +65,7 @@ class MPIPath:
     @staticmethod
     def all_reduce(c):
         tensor, arr, kind = c.tensor, c.arr, c.kind
-        if kind == SUM_KIND and arr.size <= _large.MAX_COUNT:   # ==: torch hands out new enums
-            _plans.make_plan(tensor, c.group, c.comm, arr, c.mop)
-        else:
+        if kind != SUM_KIND:                    # !=: torch hands out new enum objects
             pre_reduce(tensor, c.op, kind)
         # The blocking MPI call, with or without async_op: MPI never matches a blocking
         # collective on one rank with a non-blocking one on another, and torch code mixes
@@ -78,6 +79,11 @@ class MPIPath:
             _large.allreduce_now(c.comm, arr, c.mop)
         if kind != SUM_KIND:
             post_reduce(tensor, kind, c.comm.size)
+
+    @staticmethod
+    def plan_all_reduce(c):         # a SUM (the op's memo); pieces are never planned
+        if c.arr.size <= _large.MAX_COUNT:
+            _plans.make_plan(c.tensor, c.group, c.comm, c.arr, c.mop)
 
     @staticmethod
     def reduce(c):
@@ -119,8 +125,10 @@ class MPIPath:
             if not _large.too_big(c.arr):
                 raise
             _large.bcast_now(c.comm, c.arr, c.root)
-        else:
-            _plans.make_bplan(c.tensor, c.group, c.comm, c.arr, c.root)
+
+    @staticmethod
+    def plan_broadcast(c):          # calls of AGREE_BYTES or more (pieces too) are not planned
+        _plans.make_bplan(c.tensor, c.group, c.comm, c.arr, c.root)
 
     @staticmethod
     def all_gather_into_tensor(c):
@@ -129,8 +137,10 @@ class MPIPath:
         # The blocking MPI call, with or without async_op, as all_reduce's; and Open MPI's
         # blocking Allgather is faster than Iallgather + Wait at mid sizes (docs/benchmarks.md)
         c.comm.mpi.Allgather(c.inp, c.out)
-        if not c.async_op and c.inp.size and \
-                _plans.worth_planning(ALL_GATHER_TENSOR, (c.output, c.input)):
+
+    @staticmethod
+    def plan_all_gather_into_tensor(c):     # a blocking call (the op's memo)
+        if c.inp.size and not _large.too_big(c.out):
             mpi, inp, out = c.comm.mpi, c.inp, c.out
             datatype = _plans.datatype_handle(inp)
             prog = None if datatype is None else (_plans.ALLGATHER, MPI._handleof(mpi),
@@ -183,6 +193,21 @@ class MPIPath:
         return wait_or_work(c, [req])
 
     @staticmethod
+    def plan_all_to_all_single(c):      # a blocking call of even blocks (the op's memo)
+        mpi, inp, out = c.comm.mpi, c.inp, c.out
+        counts, displs = c.layout[:2]   # the same both ways: even blocks
+        spec = (counts, displs)
+
+        def run():
+            mpi.Ialltoallv([inp, spec], [out, spec]).Wait()
+        datatype = _plans.datatype_handle(inp)
+        prog = None if datatype is None else (
+            _plans.ALLTOALLV, MPI._handleof(mpi), datatype,
+            array("i", counts + displs + counts + displs).tobytes(), 0)
+        _plans.make_xplan(_plans.A2A_SINGLE, (c.output, c.input), c.group, c.comm,
+                          "all_to_all", c.input.shape, c.input.dtype, run, prog)
+
+    @staticmethod
     def all_to_all(c):
         outputs, inputs = c.output, c.input
         n = c.comm.size
@@ -208,9 +233,6 @@ class MPIPath:
 
     @staticmethod
     def isend(c):
-        work = _from_plan(c, ISEND)
-        if work is not False:
-            return work
         tensor, comm, arr, dst, tag = c.tensor, c.comm, c.arr, c.root, c.tag
         entry = record_p2p(comm, "send", tensor.shape, tensor.dtype, dst)
         reqs = (_large.send(comm.mpi, arr, dst, tag) if _large.too_big(arr)
@@ -219,8 +241,6 @@ class MPIPath:
 
     @staticmethod
     def send(c):
-        if _from_plan(c, SEND) is not False:
-            return
         tensor, comm, arr, dst, tag = c.tensor, c.comm, c.arr, c.root, c.tag
         entry = record_p2p(comm, "send", tensor.shape, tensor.dtype, dst)
         if _large.too_big(arr):
@@ -231,9 +251,6 @@ class MPIPath:
 
     @staticmethod
     def irecv(c):
-        work = _from_plan(c, IRECV)
-        if work is not False:
-            return work
         tensor, comm, arr, src, tag = c.tensor, c.comm, c.arr, c.root, c.tag
         entry = record_p2p(comm, "recv", tensor.shape, tensor.dtype, src)
         source = MPI.ANY_SOURCE if src is None else src
@@ -243,9 +260,6 @@ class MPIPath:
 
     @staticmethod
     def recv(c) -> int:
-        source = _from_plan(c, RECV)
-        if source is not False:
-            return source
         tensor, comm, arr, src, tag = c.tensor, c.comm, c.arr, c.root, c.tag
         entry = record_p2p(comm, "recv", tensor.shape, tensor.dtype, src)
         source = MPI.ANY_SOURCE if src is None else src
@@ -268,16 +282,17 @@ class MPIPath:
         check_count("recv", tensor, statuses, arr.nbytes, tag)
         return statuses[0].Get_source()
 
+    # where the C module runs point-to-point plans (make_pplan says), the call's tensor, peer,
+    # tag and group are planned, sends and receives apart
+    @staticmethod
+    def plan_isend(c):
+        _plans.make_pplan(False, c.tensor, c.group, c.comm, c.arr, c.root, c.tag)
 
-def _from_plan(c, op: int):
-    """Plan the validated point-to-point call C and run it from its plan (the C hit): what
-    the hit answers, or False where it cannot run it (no C module, pieces, the GPU staging
-    path's calls)."""
-    if not c.plannable or not _plans.make_pplan(op in (IRECV, RECV), c.tensor, c.group, c.comm,
-                                                c.arr, c.root, c.tag):
-        return False
-    # the hit is asked with COMM: GROUP may be a torch group the plan files under None
-    return _plans.phit(op, c.tensor, c.root, c.tag, c.comm)
+    @staticmethod
+    def plan_irecv(c):
+        _plans.make_pplan(True, c.tensor, c.group, c.comm, c.arr, c.root, c.tag)
+
+    plan_send, plan_recv = plan_isend, plan_irecv
 
 
 MPI_PATH = MPIPath()

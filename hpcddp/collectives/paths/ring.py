@@ -17,12 +17,13 @@ class RingPath:
 
     @staticmethod
     def applies(c, op: str) -> bool:    # pieces over MPI's count limit take the MPI row
-        return _ring.usable(c.comm, c.nbytes, c.arr, c.mop) and not _large.too_big(c.arr)
+        c.via = None if _large.too_big(c.arr) else _ring.usable(c.comm, c.nbytes, c.arr, c.mop)
+        return c.via is not None        # the group's Ring
 
     @staticmethod
     def all_reduce(c):
         _hier.agree(c.comm, c.entry, c.kind)
-        sum_in_place(c, lambda: _ring.ring(c.comm).all_reduce(c.arr))
+        sum_in_place(c, lambda: c.via.all_reduce(c.arr))
 
 
 RING = RingPath()

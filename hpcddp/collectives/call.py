@@ -1,0 +1,250 @@
+"""A call of an op: validated once into a :class:`Call`, then :func:`take`, the one place for what
+every call shares.
+
+An op (reduce.py, gather.py, alltoall.py, p2p.py) checks its tensors (``as_array``: the numpy
+views MPI takes), resolves its group and reduce op here, fills a Call and hands it to
+``take`` with its route (hpcddp.collectives.paths.route: the op's rows of the dispatch
+table). ``take``:
+
+1. sends a call on CUDA tensors to a device row;
+2. records a collective in the flight recorder (written here as the recorder's native writer
+   does: one list in its ring) and, for a call of AGREE_BYTES or more (every call with
+   HPCDDP_DEBUG=detail), has every rank agree on it before any path is asked (a node-local
+   path's first use is collective; the arguments that choose it are the ones agreed on);
+   an async call where the async engine is on, or any call while calls issued before it are
+   still queued, goes to the engine instead, in issue order (hpcddp.collectives.engine);
+3. runs the first row that applies (the last, MPI, always does);
+4. ends the record and answers where the path completed the op (None, or a completed Work
+   for ``async_op``), or hands out the path's Work;
+5. keeps the plan memo, one policy for every op: a call on the same tensor objects as the
+   op's call before (the op names them: ``memo``), where the row that ran has a planner
+   (``plan_<op>``: the MPI path's calls, the list forms' exchange), is planned, and the
+   plan-hit rows replay it from the next call on, before validation
+   (hpcddp.collectives._plans; the C hit where the module is built). Fresh tensors per call
+   are never planned.
+
+Everything take does is written out in it, in that order, so the first call of a small
+all_reduce enters five files, each once (scripts/journey.py counts it): the torch backend,
+the op, the views, this module, the path.
+"""
+from __future__ import annotations
+
+import weakref
+from operator import call as _deref, is_ as _is
+
+import torch
+
+from hpcddp.collectives import engine as _engine
+from hpcddp.collectives.work import CompletedWork
+from hpcddp.comm import startup as _rt
+from hpcddp.comm._mpi import MPI
+from hpcddp.comm.buffers import DeviceTensor, as_array
+from hpcddp.comm.communicator import Communicator
+from hpcddp.comm.ops import RedOpType, mpi_op
+from hpcddp.diagnostics import mismatch as _mismatch, recorder as _rec
+
+
+class Call:
+    """One call of an op, validated once. Every op sets what ``take`` reads: ``comm``,
+    ``group``, ``async_op``, ``device`` (the tensors are CUDA tensors, which the CPU
+    validation leaves to the device path), ``nbytes``, what the flight recorder files the
+    call under: ``name`` (the recorded op), ``shape``, ``dtype``, ``root`` (the root or peer,
+    None without one), ``red`` (a reduction's kind, else None), ``results`` (what a
+    completed async call's Work returns), and ``memo`` (the tensors a plan of the call is
+    filed under, None where the op's call cannot be planned). The rest are the op's own,
+    read only by the paths of that op. No __init__: the fields are set where they are found,
+    which costs a small call less than an __init__ would (docs/benchmarks.md, "The dispatch
+    table")."""
+    __slots__ = ("comm", "group", "async_op", "device", "nbytes", "name", "shape", "dtype",
+                 "root", "red", "results", "memo", "entry",
+                 "tensor", "arr", "output", "out", "input", "inp", "tensors", "views", "op",
+                 "mop", "kind", "tag",
+                 "block",       # the list forms: one block's element count, the same on every
+                                # rank (0: blocks of any size, all_to_all)
+                 "splits",      # all_to_all_single on CUDA: (output, input) split sizes
+                 "layout",      # all_to_all_single: (send counts, displacements, recv ...)
+                 "exchange",    # the list forms' exchange as run: (own copy, sends, recvs)
+                 "via",         # what a path's applies() found for the group (its Arena,
+                                # Peers, Hier, Ring), for its run
+                 "plannable")   # point-to-point: the C plan may take the call
+
+
+# -- what an op resolves -------------------------------------------------------------------------
+
+def resolve(group, fn: str) -> Communicator:
+    """The Communicator an op runs on: GROUP, or hpcddp's world when None."""
+    if group is None:
+        rt = _rt._runtime
+        return rt.world if rt is not None else _rt.init().world
+    if isinstance(group, Communicator):
+        if group.mpi == MPI.COMM_NULL:
+            raise ValueError(f"{fn}: group {group.name!r} was destroyed")
+        return group
+    comm = getattr(group, "hpcddp_comm", None)  # an hpcddp torch ProcessGroup
+    if isinstance(comm, Communicator):
+        if comm.mpi is MPI.COMM_NULL:
+            raise ValueError(f"{fn}: group {comm.name!r} was destroyed "
+                             f"(dist.destroy_process_group)")
+        return comm
+    if isinstance(group, int) and group == -100:  # torch's GroupMember.NON_GROUP_MEMBER
+        me = world_rank()
+        raise ValueError(f"{fn}: this rank (world rank {me}) is not a member of the group; only "
+                         f"members call its ops (torch's dist.* return at once on non-members)")
+    raise TypeError(f"{fn}: group must be an hpcddp Communicator, an hpcddp process group or "
+                    f"None (the world), got {type(group).__name__}")
+
+
+def world_rank() -> int:
+    rt = _rt._runtime
+    return (rt.world if rt is not None else _rt.init().world).rank
+
+
+_SUM = RedOpType.SUM
+_sum_cache: dict = {}
+_op_cache: dict = {}
+
+
+def reduce_op(op, dtype: torch.dtype, fn: str):
+    """(MPI.Op, RedOpType) for OP on DTYPE, cached (the hot path).
+
+    SUM, the op of nearly every call, is found by identity and dtype alone: hashing a
+    ReduceOp enum costs more than the rest of the lookup.
+    """
+    if op is _SUM:
+        hit = _sum_cache.get(dtype)
+        if hit is None:
+            hit = _sum_cache[dtype] = mpi_op(op, dtype, fn)
+        return hit
+    kind = getattr(op, "op", op)
+    key = (int(kind) if isinstance(kind, RedOpType) else kind, dtype)
+    hit = _op_cache.get(key)
+    if hit is None or kind is RedOpType.PREMUL_SUM:
+        hit = mpi_op(op, dtype, fn)
+        if kind is not RedOpType.PREMUL_SUM:
+            _op_cache[key] = hit
+    return hit
+
+
+def pair(fn: str, output, input, group, async_op: bool, out_arg: str = "output",
+         in_arg: str = "input") -> Call:
+    """The Call of op FN from INPUT into OUTPUT, with their views ``out`` and ``inp`` (or
+    ``device`` where one is a CUDA tensor: the device path checks them); nbytes is the op's.
+    Recorded under FN with INPUT's shape and dtype, OUTPUT its result (ops refine both)."""
+    call = Call()
+    call.comm, call.group, call.async_op = resolve(group, fn), group, async_op
+    call.output, call.input, call.nbytes = output, input, 0
+    try:
+        call.out = as_array(output, fn, out_arg)
+        call.inp = as_array(input, fn, in_arg)
+    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
+        call.device = True
+    else:
+        call.device = False
+    # getattr: a device call's tensors are checked by the device path, after this
+    call.name, call.shape = fn, getattr(input, "shape", None)
+    call.dtype = getattr(input, "dtype", None)
+    call.root = call.red = call.memo = None
+    call.results = [output]
+    return call
+
+
+# -- take ----------------------------------------------------------------------------------------
+
+# the flight recorder's ring, as its native writers share it (diagnostics.recorder)
+_ring, _slots, _clock, _ = _rec.RECORDER.native_writer()
+_T_END = _rec.T_END
+_ref = weakref.ref
+# from which size take runs the cross-rank agreement after the record: every collective with
+# HPCDDP_DEBUG=detail, else those of at least AGREE_BYTES (agree_recorded re-tests exactly)
+_agree_recorded = _mismatch.check_recorded if _mismatch.enabled() else _mismatch.agree_large
+_AGREE_FROM = 0 if _mismatch.enabled() else _mismatch.AGREE_BYTES
+# the plan memo: (op, id of the call's first tensor) -> weak references to the call's tensors.
+# A call is planned where they still are its tensors: fresh tensors whose ids the allocator
+# reuses are never planned (written with C builtins only: map, operator.is_, operator.call)
+_seen: dict = {}
+MAX_SEEN = 4096
+
+
+def take(route: tuple, call: Call):
+    """Run CALL on the first of ROUTE's paths that applies: what the op answers (the steps
+    in this module's docstring). A path returns None once the op is complete, or the Work
+    that completes it. Point-to-point ops (route[6] False) are recorded by their path, under
+    their own numbering, and never queued (MPI orders them among themselves)."""
+    if call.device:       # the device rows (a flag, tested without a call)
+        _engine.drain()   # the caller's thread keeps its CUDA stream
+        return route[1](call) if route[0](call) else route[2](call)
+    collective, comm = route[6], call.comm
+    if collective:
+        if _engine.pending or call.async_op and _engine.on():
+            return _enqueue(route, call)
+        seq = comm.seq = comm.seq + 1          # the record (recorder.FlightRecorder.start)
+        _ring[next(_slots)] = entry = call.entry = [seq, call.name, comm, call.shape,
+                                                    call.dtype, call.root, _clock[0], 0.0]
+        if call.nbytes >= _AGREE_FROM:
+            _agree_recorded(comm, entry, call.red)
+    nbytes = call.nbytes
+    if nbytes < route[3]:                       # below every middle row's min_bytes
+        run, plan = route[4]
+        done = run(call)
+    else:
+        for min_bytes, applies, run, plan in route[5]:
+            if nbytes >= min_bytes and (applies is None or applies(call)):
+                done = run(call)
+                break
+    if collective and done is None:             # complete: the record's end, the answer
+        entry[_T_END] = _clock[0]
+        done = CompletedWork(call.results) if call.async_op else None
+    keys = call.memo
+    if keys is not None and plan is not None:   # the plan memo (docstring, step 5)
+        key = (route[7], id(keys[0]))
+        seen = _seen.get(key)
+        if seen is not None and len(seen) == len(keys) and all(map(_is, map(_deref, seen),
+                                                                   keys)):
+            plan(call)                          # the same tensor objects as the call before
+        else:
+            if len(_seen) >= MAX_SEEN:
+                _seen.clear()
+            _seen[key] = tuple(map(_ref, keys))
+    return done
+
+
+def _enqueue(route: tuple, call: Call):
+    """CALL on the async engine, behind the calls queued before it: recorded now, in issue
+    order; agreed on and run on the engine's thread (:func:`_queued`). Async: its Work;
+    blocking: None once it ran."""
+    call.entry = _rec.start(call.comm, call.name, call.shape, call.dtype, call.root)
+    run = _Queued(route)
+    if call.async_op:
+        return _engine.submit(run, call)
+    _engine.in_order(run, call)
+    return None
+
+
+class _Queued:
+    """A queued call's run on the engine's thread: the cross-rank agreement, its row, its
+    end (never planned: a plan replays blocking calls on the caller's thread)."""
+    __slots__ = ("route",)
+
+    def __init__(self, route: tuple):
+        self.route = route
+
+    def __call__(self, call: Call):
+        entry = call.entry
+        _agree_recorded(call.comm, entry, call.red)
+        done = run_host(self.route, call)
+        if done is None:
+            entry[_T_END] = _clock[0]
+            return CompletedWork(call.results)
+        return done
+
+
+def run_host(route: tuple, call: Call):
+    """CALL (on CPU tensors, recorded) on the first of ROUTE's host rows that applies: what
+    the row returns."""
+    nbytes = call.nbytes
+    if nbytes < route[3]:
+        return route[4][0](call)
+    for min_bytes, applies, run, _ in route[5]:
+        if nbytes >= min_bytes and (applies is None or applies(call)):
+            return run(call)
+
