@@ -142,8 +142,7 @@ SCRIPT = textwrap.dedent(r'''
     b.add_(r)
     want = ref_broadcast(b, 0)
     dist.broadcast(b, 0, async_op=True).wait(); same(b, want, "async dist.broadcast")
-    # b was planned for one root, then the other, over and over: take's memo stopped planning
-    # it (MAX_REPLANS); a tensor planned once, resized, and planned again:
+    # a tensor planned once, resized, and planned again:
     b = torch.arange(4, dtype=torch.float32) + r
     hpcddp.broadcast(b, 0); hpcddp.broadcast(b, 0)          # planned on the second call
     assert _plans.bhit(b, 0, None) is True

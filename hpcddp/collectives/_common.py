@@ -54,7 +54,7 @@ def finish_or_work(async_op: bool, entry, requests, result, finish=None, keep=No
 
 
 def wait_or_work(call, requests, finish=None, keep=None):
-    """A path's non-blocking MPI REQUESTS for CALL (hpcddp.collectives.paths.take's
+    """A path's non-blocking MPI REQUESTS for CALL (hpcddp.collectives.call.take's
     contract): async_op, the Work that completes them and ends the record; blocking, waited
     here and FINISH run: None (take ends the record)."""
     if call.async_op:

@@ -30,7 +30,7 @@ the op, the views, this module, the path.
 from __future__ import annotations
 
 import weakref
-from operator import call as _deref, is_ as _is
+from operator import is_ as _is
 
 import torch
 
@@ -154,13 +154,15 @@ def pair(fn: str, output, input, group, async_op: bool, out_arg: str = "output",
 _ring, _slots, _clock, _ = _rec.RECORDER.native_writer()
 _T_END = _rec.T_END
 _ref = weakref.ref
+_deref = weakref.ref.__call__      # a C slot: r() without a Python frame (3.10 has no
+#                                   operator.call)
 # from which size take runs the cross-rank agreement after the record: every collective with
 # HPCDDP_DEBUG=detail, else those of at least AGREE_BYTES (agree_recorded re-tests exactly)
 _agree_recorded = _mismatch.check_recorded if _mismatch.enabled() else _mismatch.agree_large
 _AGREE_FROM = 0 if _mismatch.enabled() else _mismatch.AGREE_BYTES
 # the plan memo: (op, id of the call's first tensor) -> weak references to the call's tensors.
 # A call is planned where they still are its tensors: fresh tensors whose ids the allocator
-# reuses are never planned (written with C builtins only: map, operator.is_, operator.call)
+# reuses are never planned (written with C builtins only: map, operator.is_, ref.__call__)
 _seen: dict = {}
 MAX_SEEN = 4096
 

@@ -2,8 +2,8 @@
 
 Peers are group ranks. Tags are non-negative ints up to the MPI library's MPI_TAG_UB.
 
-A tensor sent (or received into) with the same peer, tag and group a second time in a row is
-planned (hpcddp.collectives.call.take's memo), and from the third call it runs from its plan
+A tensor sent (or received into) a second time in a row is planned with that call's peer, tag
+and group (hpcddp.collectives.call.take's memo), and a call with the same ones runs from its plan
 (hpcddp.collectives._plans: the C hit checks it, records it and starts MPI in one call);
 isend/irecv then return a C ``P2PWork`` (torch Work's methods, one MPI request). The first
 calls take the full path below and return a :class:`Work`, as do calls without the C module,

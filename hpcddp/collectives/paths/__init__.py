@@ -43,15 +43,13 @@ from hpcddp.diagnostics.mismatch import AGREE_BYTES
 @dataclass(frozen=True)
 class Path:
     """A row of the table: NAME and WHEN as ``hpcddp info`` shows them, VIA the path object
-    that runs it (None: a plan hit, tried before validation, whose STATE is given)."""
+    that runs it (None: a row the op runs itself, a plan hit or the barrier, whose state
+    STATE_OF gives)."""
     name: str
     when: str
     via: object = None
     state_of: Callable[[object, str], str] | None = None
-
-    @property
-    def before_call(self) -> bool:
-        return self.via is None
+    before_call: bool = False                     # a plan hit, tried before validation
 
     @property
     def state(self) -> Callable[[object, str], str]:
@@ -80,8 +78,12 @@ def _p2p_plan_hit(comm, op) -> str:     # no Python hit: without the C module, n
 
 # every plan is made on the second call in a row on the same tensors (take's memo: fresh
 # tensors per call never pay for one), so the hits answer from the third
-PLAN = Path("plan hit", "the same tensors as the two calls before, blocking, "
-            f"below {_mib(AGREE_BYTES)}", state_of=_plan_hit)
+def _hit(when: str, state=_plan_hit) -> Path:
+    return Path("plan hit", when, state_of=state, before_call=True)
+
+
+BELOW = f"below {_mib(AGREE_BYTES)}"
+PLAN = _hit(f"the same tensors as the two calls before, blocking, {BELOW}")
 # the device rows: every op's first two; take() asks them only for a call on CUDA tensors
 CUDA_AWARE = Path("CUDA-aware MPI", "CUDA tensors, an MPI known to be CUDA-aware, not a "
                   "user-defined reduce op: device pointers to MPI", _CUDA_AWARE)
@@ -104,12 +106,10 @@ def _mpi(call: str, pieces: bool = True) -> Path:
 
 
 PATHS: dict[str, tuple[Path, ...]] = {
-    "all_reduce": (Path("plan hit", "SUM of the tensor of the two calls before, below "
-                        f"{_mib(AGREE_BYTES)}", state_of=_plan_hit), *DEVICE, ARENA_ROW, HIER_ROW, RING_ROW,
-                   _mpi("Allreduce")),
-    "broadcast": (Path("plan hit", "the tensor of the two calls before, from the same root, "
-                       f"blocking, below {_mib(AGREE_BYTES)}", state_of=_plan_hit), *DEVICE,
-                  Path("CMA", RACED, CMA), HIER_ROW, _mpi("Bcast")),
+    "all_reduce": (_hit(f"SUM of the tensor of the two calls before, {BELOW}"), *DEVICE,
+                   ARENA_ROW, HIER_ROW, RING_ROW, _mpi("Allreduce")),
+    "broadcast": (_hit(f"the tensor of the two calls before, from the same root, blocking, "
+                       f"{BELOW}"), *DEVICE, Path("CMA", RACED, CMA), HIER_ROW, _mpi("Bcast")),
     "reduce": (*DEVICE, _mpi("Reduce")),
     "reduce_scatter": (*DEVICE, ARENA_ROW,
                        Path("point-to-point", "the list form, SUM/AVG, non-bool", LISTS),
@@ -121,11 +121,11 @@ PATHS: dict[str, tuple[Path, ...]] = {
     "gather": (*DEVICE, _mpi("Gather(v)")),
     "scatter": (*DEVICE, _mpi("Scatter(v)")),
     "all_to_all": (PLAN, *DEVICE, LISTS_ROW, _mpi("Ialltoallv", pieces=False)),
-    "all_to_all_single": (Path("plan hit", "even blocks, the same tensors as the two calls "
-                               "before", state_of=_plan_hit), *DEVICE,
-                          _mpi("Ialltoallv", pieces=False)),
-    "send/recv/isend/irecv": (Path("plan hit", "the tensor of the two calls before, same "
-                                   "peer and tag (C module only)", state_of=_p2p_plan_hit),
+    "all_to_all_single": (_hit("even blocks, the same tensors as the two calls before"),
+                          *DEVICE, _mpi("Ialltoallv", pieces=False)),
+    # the C hit checks the peer and tag a plan was made with
+    "send/recv/isend/irecv": (_hit("the tensor of the two calls before, with the peer and tag "
+                                   "of the plan (C module only)", _p2p_plan_hit),
                               *DEVICE, _mpi("Send/Recv (or Isend/Irecv)")),
     "barrier": (Path("MPI Barrier", "always", state_of=lambda comm, op: "open"),),
 }
@@ -138,9 +138,10 @@ POSTED = frozenset({"send/recv/isend/irecv"})
 
 
 def route(op: str, method: str | None = None) -> tuple:
-    """OP's rows for :func:`~hpcddp.collectives.call.take`: each row's path and its method
-    METHOD (default OP), in table order. Refused at import: a row whose path does not serve the op, device rows that
-    do not come first, a last row that does not always apply."""
+    """OP's rows for :func:`~hpcddp.collectives.call.take`: each row's path, its method
+    METHOD (default OP) and its planner, in table order. Refused at import: a row whose path
+    does not serve the op, device rows that do not come first, a last row that does not
+    always apply."""
     rows = [p for p in PATHS[op] if not p.before_call]
     name = method or op
     missing = [p.name for p in rows if name not in p.via.OPS or not callable(

@@ -7,7 +7,7 @@ they cost nothing until then. The planners (``plan_<op>``) file what MPI ran for
 plan-hit rows (hpcddp.collectives._plans) to replay, where take's memo says (the second call
 in a row on the same tensors).
 
-Each method takes a validated :class:`~hpcddp.collectives.paths.call.Call` and returns None
+Each method takes a validated :class:`~hpcddp.collectives.call.Call` and returns None
 once the op is complete (``take`` ends its record and answers) or, for an ``async_op`` call
 left in flight, the Work that completes it.
 """
