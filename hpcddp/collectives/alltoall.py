@@ -142,6 +142,11 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
         call.inp = as_arrays(input_tensor_list, ref, fn, "input_tensor_list", same_shape=False)
         call.out = as_arrays(output_tensor_list, ref, fn, "output_tensor_list",
                              same_shape=False)
+        r = comm.rank
+        if call.out[r].size != call.inp[r].size:   # before the record, on every path
+            raise ValueError(f"{fn}: output_tensor_list[{r}] has {call.out[r].size} elements "
+                             f"but input_tensor_list[{r}] (this rank's block to itself) has "
+                             f"{call.inp[r].size}")
         call.block = 0                          # blocks of any size
         if not async_op:
             call.memo = (*output_tensor_list, *input_tensor_list)

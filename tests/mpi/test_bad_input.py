@@ -106,6 +106,10 @@ def test_all_to_all_single_splits(world):
             "1 in output")
     refuses(lambda: hpcddp.all_to_all_single(t, t), ValueError, "all_to_all_single:",
             "same memory")
+    outs, ins = [torch.zeros(2) for _ in range(n)], [torch.zeros(2) for _ in range(n)]
+    outs[r] = torch.zeros(3)      # the list form's block to itself, on every path
+    refuses(lambda: hpcddp.all_to_all(outs, ins), ValueError, "all_to_all:",
+            f"output_tensor_list[{r}] has 3 elements", "block to itself")
     in_step()
 
 

@@ -182,3 +182,24 @@ def test_every_plan_table_drops_a_plan_with_its_first_tensor():
         print("ok")
     """)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
+
+
+def test_the_plan_memo_plans_a_repeat_and_never_fresh_tensors():
+    """take's memo (hpcddp.collectives.call): the second call on the same tensor is planned;
+    a fresh tensor per call (the allocator handing out the ids of dead ones) never is."""
+    res = run_py("""
+        import torch, hpcddp
+        from hpcddp import collectives as C
+        from hpcddp.collectives import _plans
+        hpcddp.init()
+        before = len(_plans.plans)
+        for i in range(50):
+            C.all_reduce(torch.full((4,), float(i)))     # a fresh tensor each call
+        assert len(_plans.plans) == before, (before, len(_plans.plans))
+        t = torch.ones(4)
+        C.all_reduce(t); assert id(t) not in _plans.plans
+        C.all_reduce(t); assert id(t) in _plans.plans
+        assert _plans.hit(t, None) is True
+        print("ok")
+    """)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
