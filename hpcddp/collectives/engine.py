@@ -9,9 +9,9 @@ Horovod do, one thread per process takes the calls from one ordered queue and ru
 issue order. Order is what keeps ranks matched: a blocking call issued while async calls are
 still queued joins the same queue and waits for its turn; an idle engine lets it run on the
 caller's thread at once (no hand-off: 12-27 us saved per call). Point-to-point ops post their
-MPI requests at once on the caller's thread (MPI orders them among themselves, never against
-collectives), and CUDA tensors keep the caller's thread (its current stream); both wait for
-the queue to empty first where it is not.
+MPI requests at once on the caller's thread, calls queued or not (MPI orders them among
+themselves, never against collectives); calls on CUDA tensors keep the caller's thread (its
+current stream) and wait for the queue to empty first (hpcddp.collectives.call.take).
 
 The engine is on for jobs whose ranks span several nodes (a collective there waits on the
 network, long enough to hide compute behind), off on one node, where the caller's thread is
