@@ -470,3 +470,29 @@ def test_docs_dispatch_ab_figures_are_the_committed_runs():
     assert largest == ("all_gather_into_tensor", 1024, "direct")
     assert f"largest {device[largest]:.2f}" in section
     assert f"broadcast at 8 B {device[('broadcast', 8, 'direct')]:.2f}" in section
+
+
+def test_paths_objects_ab_figures_are_the_runs():
+    """docs/benchmarks.md ("The dispatch table", #31) and docs/benchmarks/paths-objects-ab/
+    quote the A/B of paths as objects: the median and extremes of new/old come from the six
+    comm jobs saved beside them, and the DDP table from the four DDP jobs."""
+    import importlib.util
+    folder = os.path.join(DOCS, "benchmarks", "paths-objects-ab")
+    spec = importlib.util.spec_from_file_location("paths_ab", os.path.join(folder,
+                                                                           "summarize.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    readme = open(os.path.join(folder, "README.md")).read()
+    page = open(os.path.join(DOCS, "benchmarks.md")).read()
+    section = page.split("## The dispatch table", 1)[1].split("\n## ", 1)[0]
+    fig = ab.headline()
+    for name, label in (("torch", "hpcddp (through torch)"), ("direct", "direct API")):
+        med, lo, hi, n = fig[name]
+        assert f"- {label}: time over mpi4py's, new/old: median {med:.3f}, min {lo:.3f}, " \
+               f"max {hi:.3f} over {n} rows" in readme, name
+    med, lo, hi, n = fig["torch"]
+    assert f"median {med:.3f} (min\n{lo:.3f}, max {hi:.3f} over {n} rows)" in section
+    dmed, dlo, dhi, _ = fig["direct"]
+    assert f"{dmed:.3f} ({dlo:.3f}-{dhi:.3f})" in section
+    for job, h, g, c in ab.ddp():
+        assert f"| {job} | {h:.2f} | {g:.2f} | {c:.2f} | {h / g:.2f} |" in readme, job
