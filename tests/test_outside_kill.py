@@ -49,14 +49,17 @@ def _train(tmp, nprocs, mode, phase, target, workers=1, start="fork", **env):
 
 
 def _kill(job, target, phase, what):
-    """SIGKILL the target rank, or (phase data) the worker that said it holds a sample."""
+    """SIGKILL the target rank, or (phase data) the worker that said it holds a sample; then
+    tell the peers waiting to enter the target's collective (OUTDIR/killed) to come."""
     m = job.wait_for(rf"\[rank{target}\] AT PHASE {phase} pid (\d+)")
     if what == "worker":
         pid = int(m.group(1))
         assert pid in job.workers(target), (pid, job.workers(target))
         job.kill(pid, f"worker of rank {target}")
-        return pid
-    return job.kill_rank(target)
+    else:
+        pid = job.kill_rank(target)
+    (pathlib.Path(job.outfile).parent / "killed").touch()
+    return pid
 
 
 def _ended_cleanly(job):

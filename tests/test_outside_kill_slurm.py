@@ -20,7 +20,7 @@ import pytest
 from hpcddp.launch.templates import render
 from outside_kill import MARK, environ_of, job_processes, name_of, parent_of
 from test_elastic import needs_ulfm
-from test_jobs_slurm import Job as SlurmJob, sh, slurm  # noqa: F401
+from test_jobs_slurm import TERMINAL, Job as SlurmJob, sh, slurm  # noqa: F401
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "scripts" / "outside_kill_train.py")
@@ -37,13 +37,14 @@ def _batch(out: pathlib.Path, tag: str, elastic: bool, tasks_per_node: int, args
                          "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"])
 
 
-def _rank_pid(tag: str, rank: int) -> int:
+def _rank_pid(tag: str, rank: int, job) -> int:
     for pid in job_processes(tag):
         env = environ_of(pid)
         r = env.get("OMPI_COMM_WORLD_RANK", env.get("PMIX_RANK"))
         if r == str(rank) and name_of(parent_of(pid)) in ("slurmstepd", "prted", "prterun"):
             return pid
-    raise AssertionError(f"no process of rank {rank} in job {tag}")
+    raise AssertionError(f"no process of rank {rank} in job {tag} (state {job.state()}):\n"
+                         f"{job.logs()[-3000:]}")
 
 
 def _run(tmp_path, elastic, tasks_per_node, args, target):
@@ -54,10 +55,11 @@ def _run(tmp_path, elastic, tasks_per_node, args, target):
     assert res.returncode == 0, f"sbatch failed: {res.stderr}"
     job = SlurmJob(res.stdout.strip().split(";")[0], tmp_path, "kill-*.out")
     job.wait(lambda recs: re.search(rf"\[rank{target}\] AT PHASE", job.logs()) or (
-        recs and recs[0].get("JobState") not in ("PENDING", "RUNNING")),
+        recs and recs[0].get("JobState") in TERMINAL),
         timeout=300, what="to reach the phase", poll=0.2)
-    os.kill(_rank_pid(tag, target), signal.SIGKILL)
+    os.kill(_rank_pid(tag, target, job), signal.SIGKILL)
     t_kill = time.monotonic()
+    (tmp_path / "killed").touch()       # the target's peers enter its collective now
     recs = job.wait(timeout=400)
     after = time.monotonic() - t_kill
     deadline = time.monotonic() + 10
