@@ -54,13 +54,21 @@ def summary(stops) -> dict:
     return {"stops": len(stops), "files": len(set(f for f, _ in stops)), "returns": returns}
 
 
+def ran_on(stops) -> str:
+    """The path whose op the call ran (the last path module it entered), or the plan hit."""
+    entered = [f for f, _ in stops if f.startswith("collectives/paths/")]
+    return entered[-1] if entered else "the plan hit"
+
+
 def main() -> None:
     dist.init_process_group("hpcddp")
     small, large = torch.ones(2), torch.ones(1 << 20)
-    # the group's one-time set-up (its device map read, the arena made and raced) is not a
-    # call's journey: warm it up with other tensors of each size
-    dist.all_reduce(torch.ones(2))
-    dist.all_reduce(torch.ones(1 << 20))
+    # the group's one-time set-up (its device map read, the arena made and raced, the table's
+    # rows for the group read from them) is not a call's journey: warm it up with other
+    # tensors of each size
+    for _ in range(2):
+        dist.all_reduce(torch.ones(2))
+        dist.all_reduce(torch.ones(1 << 20))
     rows = []
     for name, t in (("8 B", small), ("4 MiB", large)):
         for turn in ("first", "second", "third"):
@@ -71,7 +79,7 @@ def main() -> None:
         for what, stops in rows:
             s = summary(stops)
             print(f"{what}: {s['stops']} stops, {s['files']} files, {s['returns']} returns "
-                  f"to a file already left")
+                  f"to a file already left; ran on {ran_on(stops)}")
             if verbose:
                 for f, name in stops:
                     print(f"    {f}:{name}")

@@ -122,6 +122,31 @@ def crossover(path: str, op: str, comm, pair, ladder=LADDER, win: float = WIN) -
     return found
 
 
+NEVER = 1 << 62               # a row's size on a group it can never serve
+_UNMADE = object()
+
+
+def group_floor(comm, key: str, race_op: str, min_bytes: int, min_size: int = 2) -> int:
+    """From which size the node-local path KEY (its state attached to COMM under KEY) can serve
+    the op its race RACE_OP measures on COMM, from what the group has already made and raced
+    (no message): MIN_BYTES while it has not, NEVER where it cannot (fewer than MIN_SIZE
+    ranks, no state for the group, or MPI won the race at every size)."""
+    if comm.size < min_size:
+        return NEVER
+    made = comm._attached.get(key, _UNMADE)
+    if made is _UNMADE:
+        return min_bytes
+    if made is None:
+        return NEVER
+    starts = made.starts
+    if starts.forced:
+        return max(min_bytes, starts.floor)
+    found = starts.found.get(race_op)
+    if found is None:
+        return min_bytes
+    return NEVER if found.start is None else max(min_bytes, found.start)
+
+
 def serves(path, op: str, nbytes: int) -> bool:
     """Whether PATH (a path's object for the group, with ``starts``; None: not open to the
     group) serves OP at NBYTES; OP's race runs on the first ask (collective)."""
@@ -150,6 +175,7 @@ class Starts:
             found = self.found[op] = crossover(self.path, op, self.comm,
                                                lambda nbytes: self.pair(op, nbytes), self.ladder,
                                                self.win)
+            self.comm.rows.clear()     # the group's rows now know where the path starts
         return found.start
 
 

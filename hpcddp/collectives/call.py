@@ -13,7 +13,9 @@ table). ``take``:
    path's first use is collective; the arguments that choose it are the ones agreed on);
    an async call where the async engine is on, or any call while calls issued before it are
    still queued, goes to the engine instead, in issue order (hpcddp.collectives.engine);
-3. runs the first row that applies (the last, MPI, always does);
+3. runs the first row that applies (the last, MPI, always does), of the rows as they stand on
+   the call's group (:func:`group_rows`: a node-local path that cannot serve the group is
+   not asked, one that serves from a size is skipped below it with a compare);
 4. ends the record and answers where the path completed the op (None, or a completed Work
    for ``async_op``), or hands out the path's Work;
 5. keeps the plan memo, one policy for every op: a call on the same tensor objects as the
@@ -35,6 +37,7 @@ from operator import is_ as _is
 import torch
 
 from hpcddp.collectives import engine as _engine
+from hpcddp.collectives._node import NEVER
 from hpcddp.collectives.work import CompletedWork
 from hpcddp.comm import startup as _rt
 from hpcddp.comm._mpi import MPI
@@ -185,11 +188,11 @@ def take(route: tuple, call: Call):
         if call.nbytes >= _AGREE_FROM:
             _agree_recorded(comm, entry, call.red)
     nbytes = call.nbytes
-    if nbytes < route[3]:                       # below every middle row's min_bytes
-        run, plan = route[4]
+    if nbytes < route[3] or nbytes < (comm.rows.get(route) or group_rows(route, comm))[0]:
+        run, plan = route[4]                    # below every middle row's start
         done = run(call)
     else:
-        for min_bytes, applies, run, plan in route[5]:
+        for min_bytes, applies, run, plan, _ in comm.rows[route][1]:
             if nbytes >= min_bytes and (applies is None or applies(call)):
                 done = run(call)
                 break
@@ -243,10 +246,25 @@ class _Queued:
 def run_host(route: tuple, call: Call):
     """CALL (on CPU tensors, recorded) on the first of ROUTE's host rows that applies: what
     the row returns."""
-    nbytes = call.nbytes
-    if nbytes < route[3]:
+    nbytes, comm = call.nbytes, call.comm
+    if nbytes < route[3] or nbytes < (comm.rows.get(route) or group_rows(route, comm))[0]:
         return route[4][0](call)
-    for min_bytes, applies, run, _ in route[5]:
+    for min_bytes, applies, run, _, _ in comm.rows[route][1]:
         if nbytes >= min_bytes and (applies is None or applies(call)):
             return run(call)
+
+
+def group_rows(route: tuple, comm: Communicator) -> tuple:
+    """ROUTE's host rows as they stand on COMM, kept in ``comm.rows`` until the group's
+    attached state changes (a path made, closed or raced): (the smallest start of a middle
+    row, the rows), each row with its floor on the group as its size, the node-local paths
+    that can never serve it left out (hpcddp.collectives._node.group_floor)."""
+    rows = []
+    for row in route[5]:
+        at = row[0] if row[4] is None else row[4](comm)
+        if at < NEVER:
+            rows.append((at, *row[1:]))
+    floor = min((row[0] for row in rows[:-1]), default=NEVER)
+    got = comm.rows[route] = (floor, tuple(rows))
+    return got
 

@@ -25,9 +25,31 @@ _holding: "weakref.WeakSet" = weakref.WeakSet()   # Communicators with attached 
 _PREDEFINED = (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL)
 
 
+class _State(dict):
+    """A group's attached state: any change to it (a path's state made, closed or released)
+    forgets the dispatch table's rows for the group (``rows``), which are read from it."""
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: dict):
+        super().__init__()
+        self.rows = rows
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.rows.clear()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self.rows.clear()
+
+    def pop(self, *args):
+        self.rows.clear()
+        return super().pop(*args)
+
+
 class Communicator:
     __slots__ = ("mpi", "rank", "size", "name", "world_ranks", "seq", "uid", "timeout",
-                 "owned", "_attached", "__weakref__")
+                 "owned", "_attached", "rows", "__weakref__")
 
     def __init__(self, mpi_comm, name: str = "", world_ranks=None, owned: bool = False):
         self.mpi = mpi_comm
@@ -41,7 +63,11 @@ class Communicator:
         self.uid = next(_ids)
         self.timeout: float | None = None
         self.owned = owned            # hpcddp made the MPI communicator: the group's end frees it
-        self._attached: dict = {}
+        # the dispatch table's rows as they stand on this group, per route: the node-local
+        # paths that cannot serve it left out, each from the size it serves (take() reads
+        # them; hpcddp.collectives.call.group_rows makes them from the attached state)
+        self.rows: dict = {}
+        self._attached = _State(self.rows)
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank={self.rank}, size={self.size})"
@@ -75,7 +101,8 @@ class Communicator:
         """Close what the paths keep for this group (each object's ``close()``, each private
         MPI communicator freed once), keeping the group's own MPI communicator: a later call
         makes the state again. Local: no message is sent."""
-        attached, self._attached = self._attached, {}
+        attached, self._attached = self._attached, _State(self.rows)
+        self.rows.clear()
         _holding.discard(self)
         for value in attached.values():
             self._close(value)

@@ -136,6 +136,16 @@ def test_a_path_serves_each_op_from_the_size_its_race_found(world, monkeypatch):
     assert _state(world, "reduce_scatter_tensor", "shm arena").startswith(
         "open from 256 KiB (faster at 256 KiB: this path 1.00 ms, MPI 1.50 ms")
     assert len(raced) == 7          # the table reads the decisions, it does not race again
+    # the world's rows for all_reduce: the arena from where it won, so a 1 MiB call goes to
+    # MPI with a compare (take() asks no path below it)
+    from hpcddp.collectives.call import group_rows
+    from hpcddp.collectives.reduce import _ALL_REDUCE    # the module's, not the op's
+    floor, rows = group_rows(_ALL_REDUCE, world)
+    assert [row[0] for row in rows if row[2] is paths.ARENA.all_reduce] == [slow_below]
+    asked = _spy(monkeypatch, _shm, "usable")             # what the arena's applies asks
+    C.all_reduce(torch.ones((1 << 20) // 4))
+    C.all_reduce(torch.ones(slow_below // 4))
+    assert asked == ["usable"] and floor <= slow_below
 
 
 def test_a_path_that_loses_at_every_size_is_closed_and_says_why(world, monkeypatch):

@@ -46,21 +46,24 @@ def test_every_op_runs_its_table_rows_in_order(op):
     assert staged == getattr(paths.STAGED.via, method)
     host = table[2:]
     # each row's condition is the table's, told the op (a path serves each op from its own size)
-    assert [(m, a and (a.func, a.keywords)) for m, a, _, _ in rows] == \
+    assert [(m, a and (a.func, a.keywords)) for m, a, _, _, _ in rows] == \
         [(p.min_bytes, p.applies and (p.applies, {"op": op})) for p in host]
     # each row runs its path's method of the op's name
-    assert [run for _, _, run, _ in rows] == [getattr(p.via, method) for p in host]
+    assert [run for _, _, run, _, _ in rows] == [getattr(p.via, method) for p in host]
     # and its planner where it has one (the MPI path, the list forms)
-    assert [plan for _, _, _, plan in rows] == [getattr(p.via, f"plan_{method}", None)
-                                                for p in host]
-    assert last == rows[-1][2:] and rows[-1][1] is None
+    assert [plan for _, _, _, plan, _ in rows] == [getattr(p.via, f"plan_{method}", None)
+                                                   for p in host]
+    # and, for a node-local path, its floor on a group (take's rows per group)
+    assert [f and (f.func, f.keywords) for *_, f in rows] == \
+        [(p.via.floor, {"op": op}) if hasattr(p.via, "floor") else None for p in host]
+    assert last == rows[-1][2:4] and rows[-1][1] is None and rows[-1][4] is None
     assert floor == min((p.min_bytes for p in host[:-1]), default=1 << 62)
 
 
 def test_the_p2p_ops_share_one_row_list():
     p2p = importlib.import_module("hpcddp.collectives.p2p")
     for r in (p2p._SEND, p2p._RECV, p2p._IRECV):
-        assert [(m, a) for m, a, _, _ in r[5]] == [(m, a) for m, a, _, _ in p2p._ISEND[5]]
+        assert [(m, a) for m, a, *_ in r[5]] == [(m, a) for m, a, *_ in p2p._ISEND[5]]
 
 
 def test_every_path_has_a_method_for_every_op_it_claims():
@@ -125,9 +128,16 @@ def _fake_table(monkeypatch, asked):
     return route("fake")
 
 
-def _call(nbytes, device=False):
+class _Group:
+    """What take() reads of a group: its size, its attached state, its rows."""
+    def __init__(self, size=2, **attached):
+        self.size, self.rows, self._attached = size, {}, attached
+
+
+def _call(nbytes, device=False, comm=None):
     c = Call()
     c.device, c.nbytes, c.async_op = device, nbytes, False
+    c.comm = comm or _Group()
     return c
 
 
@@ -172,3 +182,56 @@ def test_the_point_to_point_plan_row_is_closed_without_the_c_module(monkeypatch)
     assert row.state(None, "send/recv/isend/irecv") == \
         "closed (point-to-point plans run only in the C module: HPCDDP_FASTPATH=0)"
     assert paths.PATHS["all_reduce"][0].state(None, "all_reduce").startswith("open (Python")
+
+
+class _Starts:
+    def __init__(self, forced=False, floor=0, **found):
+        self.forced, self.floor = forced, floor
+        self.found = {op: type("Crossover", (), {"start": at})() for op, at in found.items()}
+
+
+class _Made:                         # a node-local path's state for a group: its races
+    def __init__(self, **kw):
+        self.starts = _Starts(**kw)
+
+
+def test_each_group_keeps_the_rows_that_can_serve_it():
+    """take() asks, on a group, only the node-local paths that can serve it, each from the
+    size it serves there: read from what the group has made and raced (no message), and
+    read again when that changes (hpcddp.collectives.call.group_rows)."""
+    from hpcddp.collectives._node import NEVER
+    from hpcddp.collectives.call import group_rows
+    r = route("all_reduce")
+    names = {paths.ARENA.all_reduce: "arena", paths.HIER.all_reduce: "hier",
+             paths.RING.all_reduce: "ring", paths.MPI_PATH.all_reduce: "mpi"}
+
+    def rows(comm):
+        floor, got = group_rows(r, comm)
+        return floor, [(names[row[2]], row[0]) for row in got]
+    arena_min, ring_min = paths.ARENA.min_bytes, paths.RING.min_bytes
+    # nothing made yet: each from its own floor (the first call there makes and races it);
+    # the hierarchical path needs 4 ranks
+    assert rows(_Group(2)) == (arena_min, [("arena", arena_min), ("ring", ring_min),
+                                           ("mpi", 0)])
+    assert rows(_Group(4))[1][1] == ("hier", paths.HIER.min_bytes)
+    # one node: no ring; the arena raced to start at 2 MiB
+    assert rows(_Group(2, shm=_Made(all_reduce=2 << 20), ring=None)) == \
+        (2 << 20, [("arena", 2 << 20), ("mpi", 0)])
+    # several nodes: no arena; MPI won the ring's race at every size; forced hier from its floor
+    assert rows(_Group(4, shm=None, hier=_Made(forced=True, floor=arena_min),
+                       ring=_Made(all_reduce=None))) == (arena_min, [("hier", arena_min),
+                                                                     ("mpi", 0)])
+    assert rows(_Group(2, shm=None, ring=None)) == (NEVER, [("mpi", 0)])
+
+
+def test_a_group_reads_its_rows_again_when_its_state_changes():
+    """The rows a group keeps are forgotten when what a path attached to it changes (made,
+    closed on a failure, released) and when a race finds where a path starts."""
+    from hpcddp.comm.communicator import _State
+    rows: dict = {}
+    state = _State(rows)
+    for change in (lambda: state.__setitem__("shm", None), lambda: state.pop("shm"),
+                   lambda: state.__setitem__("ring", 1), lambda: state.__delitem__("ring")):
+        rows["route"] = "kept"
+        change()
+        assert rows == {}

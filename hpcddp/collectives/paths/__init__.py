@@ -8,7 +8,10 @@ the ring over TCP links (:mod:`.ring`), the list forms' point-to-point exchange 
 and the two device paths for CUDA tensors (:mod:`.device`). A path that serves a call from
 some size on has ``min_bytes`` (a compare, so small calls skip it without a function call)
 and ``applies(call, op)`` (what the group and the job decide: ranks on one node, a start-up
-race against MPI, a switch in docs/settings.md); the MPI path always applies. A path that
+race against MPI, a switch in docs/settings.md); the MPI path always applies. A node-local
+path also has ``floor(comm, op)``: from which size it can serve the op on a group, read from
+what the group has made and raced (no message), so take() keeps each group's rows without
+the paths that cannot serve it and skips the others below their start with a compare. A path that
 can replay an op has its planner, ``plan_<op>`` (take's memo calls it).
 
 An op (reduce.py, gather.py, alltoall.py, p2p.py) validates its arguments once into a
@@ -156,10 +159,14 @@ def route(op: str, method: str | None = None) -> tuple:
     # below every middle row's min_bytes a call goes straight to the last row, the one a
     # small call takes: no row to ask (0 where a middle row applies at any size)
     floor = min((p.min_bytes for p in host[:-1]), default=1 << 62)
+    # each row's floor on a group (a node-local path's ``floor``: from which size it can serve
+    # there, as far as the group's made and raced state says; take() keeps the group's rows)
+    floors = [getattr(p.via, "floor", None) for p in host]
     return (CUDA_AWARE.applies, getattr(CUDA_AWARE.via, name), getattr(STAGED.via, name),
             floor, runs[-1],
-            tuple((p.min_bytes, p.applies and functools.partial(p.applies, op=op), run, plan)
-                  for p, (run, plan) in zip(host, runs)),
+            tuple((p.min_bytes, p.applies and functools.partial(p.applies, op=op), run, plan,
+                   f and functools.partial(f, op=op))
+                  for p, (run, plan), f in zip(host, runs, floors)),
             op not in POSTED, name)
 
 

@@ -20,6 +20,10 @@ class ArenaPath:
                                           _shm.RACED))
 
     @staticmethod
+    def floor(comm, op: str) -> int:     # the group's row (call.group_rows)
+        return _node.group_floor(comm, "shm", _shm.RACED[op], _shm.MIN_BYTES)
+
+    @staticmethod
     def applies(c, op: str) -> bool:
         c.via = _shm.usable(c.comm, c.nbytes, c.dtype, c.kind, op)     # the group's Arena
         return c.via is not None
