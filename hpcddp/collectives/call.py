@@ -17,7 +17,8 @@ table). ``take``:
    the call's group (:func:`group_rows`: a node-local path that cannot serve the group is
    not asked, one that serves from a size is skipped below it with a compare);
 4. ends the record and answers where the path completed the op (None, or a completed Work
-   for ``async_op``), or hands out the path's Work;
+   for ``async_op``), or hands out the path's Work; a path that raises leaves the record
+   closed as unfinished (:func:`failed`);
 5. keeps the plan memo, one policy for every op: a call on the same tensor objects as the
    op's call before (the op names them: ``memo``), where the row that ran has a planner
    (``plan_<op>``: the MPI path's calls, the list forms' exchange), is planned, and the
@@ -188,14 +189,19 @@ def take(route: tuple, call: Call):
         if call.nbytes >= _AGREE_FROM:
             _agree_recorded(comm, entry, call.red)
     nbytes = call.nbytes
-    if nbytes < route[3] or nbytes < (comm.rows.get(route) or group_rows(route, comm))[0]:
-        run, plan = route[4]                    # below every middle row's start
-        done = run(call)
-    else:
-        for min_bytes, applies, run, plan, _ in comm.rows[route][1]:
-            if nbytes >= min_bytes and (applies is None or applies(call)):
-                done = run(call)
-                break
+    try:
+        if nbytes < route[3] or nbytes < (comm.rows.get(route) or group_rows(route, comm))[0]:
+            run, plan = route[4]                # below every middle row's start
+            done = run(call)
+        else:
+            for min_bytes, applies, run, plan, _ in comm.rows[route][1]:
+                if nbytes >= min_bytes and (applies is None or applies(call)):
+                    done = run(call)
+                    break
+    except BaseException:
+        if collective:
+            failed(entry)
+        raise
     if collective and done is None:             # complete: the record's end, the answer
         entry[_T_END] = _clock[0]
         done = CompletedWork(call.results) if call.async_op else None
@@ -235,12 +241,24 @@ class _Queued:
 
     def __call__(self, call: Call):
         entry = call.entry
-        _agree_recorded(call.comm, entry, call.red)
-        done = run_host(self.route, call)
+        try:
+            _agree_recorded(call.comm, entry, call.red)
+            done = run_host(self.route, call)
+        except BaseException:
+            failed(entry)
+            raise
         if done is None:
             entry[_T_END] = _clock[0]
             return CompletedWork(call.results)
         return done
+
+
+def failed(entry: list) -> None:
+    """Close the record ENTRY of a call whose path raised: no longer in flight, and marked as
+    left unfinished (diagnostics.recorder.describe: "abandoned"), so a stall report names it
+    as the call this rank gave up, not one it still waits in."""
+    entry[_T_END] = _clock[0]
+    entry.append("failed")
 
 
 def run_host(route: tuple, call: Call):

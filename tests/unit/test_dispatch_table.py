@@ -132,6 +132,7 @@ class _Group:
     """What take() reads of a group: its size, its attached state, its rows."""
     def __init__(self, size=2, **attached):
         self.size, self.rows, self._attached = size, {}, attached
+        self.seq, self.name, self.rank, self.world_ranks = 0, "fake group", 0, tuple(range(size))
 
 
 def _call(nbytes, device=False, comm=None):
@@ -235,3 +236,25 @@ def test_a_group_reads_its_rows_again_when_its_state_changes():
         rows["route"] = "kept"
         change()
         assert rows == {}
+
+
+def test_a_call_whose_path_raises_is_not_left_in_flight(monkeypatch):
+    """The flight recorder closes the record of a call whose path raised, marked as left
+    unfinished: a later stall report names it as the call this rank gave up, never as one it
+    still waits in."""
+    from hpcddp.diagnostics import recorder
+
+    class _Raises(_Fake):
+        def fake(self, c):
+            raise ValueError("the path failed")
+    _fake_table(monkeypatch, [])           # device rows that serve "fake"
+    monkeypatch.setitem(paths.PATHS, "fake", (*paths.DEVICE, Path("MPI Fake", "otherwise",
+                                                                  _Raises("mpi"))))
+    r = route("fake")
+    c = _call(64)
+    c.name, c.shape, c.dtype, c.root, c.red = "fake", (16,), None, None, None
+    with pytest.raises(ValueError, match="the path failed"):
+        take(r, c)
+    entry = c.entry
+    assert entry[recorder.T_END] != 0.0 and entry not in recorder.RECORDER.in_flight()
+    assert recorder.describe(entry)["abandoned"]
