@@ -190,11 +190,13 @@ def take(route: tuple, call: Call):
             _agree_recorded(comm, entry, call.red)
     nbytes = call.nbytes
     try:
-        if nbytes < route[3] or nbytes < (comm.rows.get(route) or group_rows(route, comm))[0]:
+        # the group's rows (one lookup: a race on another thread may forget them meanwhile)
+        rows = None if nbytes < route[3] else comm.rows.get(route) or group_rows(route, comm)
+        if rows is None or nbytes < rows[0]:
             run, plan = route[4]                # below every middle row's start
             done = run(call)
         else:
-            for min_bytes, applies, run, plan, _ in comm.rows[route][1]:
+            for min_bytes, applies, run, plan, _ in rows[1]:
                 if nbytes >= min_bytes and (applies is None or applies(call)):
                     done = run(call)
                     break
@@ -265,9 +267,10 @@ def run_host(route: tuple, call: Call):
     """CALL (on CPU tensors, recorded) on the first of ROUTE's host rows that applies: what
     the row returns."""
     nbytes, comm = call.nbytes, call.comm
-    if nbytes < route[3] or nbytes < (comm.rows.get(route) or group_rows(route, comm))[0]:
+    rows = None if nbytes < route[3] else comm.rows.get(route) or group_rows(route, comm)
+    if rows is None or nbytes < rows[0]:
         return route[4][0](call)
-    for min_bytes, applies, run, _, _ in comm.rows[route][1]:
+    for min_bytes, applies, run, _, _ in rows[1]:
         if nbytes >= min_bytes and (applies is None or applies(call)):
             return run(call)
 
