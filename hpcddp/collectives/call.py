@@ -190,13 +190,12 @@ def take(route: tuple, call: Call):
             _agree_recorded(comm, entry, call.red)
     nbytes = call.nbytes
     try:
-        # the group's rows (one lookup: a race on another thread may forget them meanwhile)
-        rows = None if nbytes < route[3] else comm.rows.get(route) or group_rows(route, comm)
-        if rows is None or nbytes < rows[0]:
+        rows = None if nbytes < route[3] else group_rows(route, comm)
+        if rows is None or nbytes < rows[1]:
             run, plan = route[4]                # below every middle row's start
             done = run(call)
         else:
-            for min_bytes, applies, run, plan, _ in rows[1]:
+            for min_bytes, applies, run, plan, _ in rows[2]:
                 if nbytes >= min_bytes and (applies is None or applies(call)):
                     done = run(call)
                     break
@@ -267,25 +266,30 @@ def run_host(route: tuple, call: Call):
     """CALL (on CPU tensors, recorded) on the first of ROUTE's host rows that applies: what
     the row returns."""
     nbytes, comm = call.nbytes, call.comm
-    rows = None if nbytes < route[3] else comm.rows.get(route) or group_rows(route, comm)
-    if rows is None or nbytes < rows[0]:
+    rows = None if nbytes < route[3] else group_rows(route, comm)
+    if rows is None or nbytes < rows[1]:
         return route[4][0](call)
-    for min_bytes, applies, run, _, _ in rows[1]:
+    for min_bytes, applies, run, _, _ in rows[2]:
         if nbytes >= min_bytes and (applies is None or applies(call)):
             return run(call)
 
 
 def group_rows(route: tuple, comm: Communicator) -> tuple:
-    """ROUTE's host rows as they stand on COMM, kept in ``comm.rows`` until the group's
-    attached state changes (a path made, closed or raced): (the smallest start of a middle
-    row, the rows), each row with its floor on the group as its size, the node-local paths
-    that can never serve it left out (hpcddp.collectives._node.group_floor)."""
+    """ROUTE's host rows as they stand on COMM: (ROUTE, the smallest start of a middle row,
+    the rows), each row with its floor on the group as its size, the node-local paths that
+    can never serve it left out (hpcddp.collectives._node.group_floor). Kept in
+    ``comm.rows`` under the op's name (a string: its hash is cached) until the group's
+    attached state changes (a path made, closed or raced); one lookup, as a race on another
+    thread may forget them meanwhile."""
+    got = comm.rows.get(route[7])
+    if got is not None and got[0] is route:
+        return got
     rows = []
     for row in route[5]:
         at = row[0] if row[4] is None else row[4](comm)
         if at < NEVER:
             rows.append((at, *row[1:]))
     floor = min((row[0] for row in rows[:-1]), default=NEVER)
-    got = comm.rows[route] = (floor, tuple(rows))
+    got = comm.rows[route[7]] = (route, floor, tuple(rows))
     return got
 

@@ -63,7 +63,7 @@ class Communicator:
         self.uid = next(_ids)
         self.timeout: float | None = None
         self.owned = owned            # hpcddp made the MPI communicator: the group's end frees it
-        # the dispatch table's rows as they stand on this group, per route: the node-local
+        # the dispatch table's rows as they stand on this group, per op: the node-local
         # paths that cannot serve it left out, each from the size it serves (take() reads
         # them; hpcddp.collectives.call.group_rows makes them from the attached state)
         self.rows: dict = {}
