@@ -496,3 +496,25 @@ def test_paths_objects_ab_figures_are_the_runs():
     assert f"{dmed:.3f} ({dlo:.3f}-{dhi:.3f})" in section
     for job, h, g, c in ab.ddp():
         assert f"| {job} | {h:.2f} | {g:.2f} | {c:.2f} | {h / g:.2f} |" in readme, job
+
+
+def test_group_rows_ab_figures_are_the_runs():
+    """docs/benchmarks.md ("The dispatch table", each group's own rows) quotes the A/B saved in
+    docs/benchmarks/group-rows-ab/: new/old of the six comm jobs and the 14 DDP jobs."""
+    import importlib.util
+    folder = os.path.join(DOCS, "benchmarks", "group-rows-ab")
+    spec = importlib.util.spec_from_file_location("rows_ab", os.path.join(folder, "summarize.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    page = open(os.path.join(DOCS, "benchmarks.md")).read()
+    section = " ".join(page.split("**Each group's own rows.**", 1)[1].split("\n## ", 1)[0].split())
+    fig = ab.headline()
+    med, lo, hi, n = fig["torch"]
+    assert f"median {med:.3f} (min {lo:.3f}, max {hi:.3f} over {n} rows)" in section
+    dmed, dlo, dhi, _ = fig["direct"]
+    assert f"{dmed:.3f} ({dlo:.3f}-{dhi:.3f})" in section
+    jobs = ab.ddp()
+    for v in ("new", "old"):
+        steps = [h for job, h, _, _ in jobs if job.startswith(v)]
+        assert len(steps) == 7 and f"{min(steps):.2f}-{max(steps):.2f} steps/s {v}" in section
+        assert f"{ab.ddp_median(v):.2f} steps/s {v}" in section
