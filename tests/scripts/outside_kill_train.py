@@ -11,8 +11,8 @@ argv: OUTDIR MODE PHASE TARGET [WORKERS [START]]
     in its forward pass while the others wait for it in the gradient all-reduce), none.
 At step PAUSE_STEP of epoch 0 (eval: after training) TARGET prints
 ``[rankT] AT PHASE <phase> pid <pid>`` and then waits there: in the phase itself (a sleep), or
-inside a collective whose peers come late: once the test has touched OUTDIR/killed after its
-SIGKILL (at most HOLD_S). The test sees the line and sends SIGKILL. The rank never kills itself. Survivors write OUTDIR/final.<rank>.json (elastic) and print
+inside a collective whose peers come late: LATE_S after the test has touched OUTDIR/killed
+after its SIGKILL (at most HOLD_S), as when a rank dies in a collective its peers reach later. The test sees the line and sends SIGKILL. The rank never kills itself. Survivors write OUTDIR/final.<rank>.json (elastic) and print
 ``[rankR] DONE``.
 """
 import json
@@ -27,6 +27,7 @@ import hpcddp
 
 PAUSE_STEP = 3
 HOLD_S = 60.0        # longer than any test waits: the kill always lands inside the phase
+LATE_S = 2.0         # how long after the kill the peers come to the collective the target waited in
 
 
 def at(phase, rank):
@@ -98,9 +99,10 @@ def main():
             time.sleep(HOLD_S)
 
     def late_peers(name):
-        """The target waits inside a collective that its peers reach only once the test says
-        it has killed the target (a fixed delay lost the race on a loaded machine, where the
-        line reached the test through Slurm's output file seconds late)."""
+        """The target waits inside a collective that its peers reach LATE_S after the test
+        says it has killed the target (timed from the target's line instead, the kill lost
+        the race on a loaded machine, where the line reached the test through Slurm's output
+        file seconds late)."""
         if holding(name):
             if me == target:
                 at(name, me)
@@ -109,6 +111,7 @@ def main():
                 deadline = time.monotonic() + HOLD_S
                 while not os.path.exists(killed) and time.monotonic() < deadline:
                     time.sleep(0.05)
+                time.sleep(LATE_S)
 
     model.register_forward_pre_hook(lambda *a: hold_here("forward"))
 
