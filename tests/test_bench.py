@@ -318,6 +318,21 @@ def test_comm_smoke_every_op_and_impl(tmp_path):
     assert again.returncode == 0 and "0 row(s)" in again.stdout
 
 
+def test_comm_rooted_ops_on_request(tmp_path):
+    """reduce, gather and scatter (rank 0 the root) run when --ops names them, every
+    implementation computing the right result."""
+    out = tmp_path / "rooted.json"
+    _job(["comm", "--ops", "reduce,gather,scatter", "--sizes", "4,64K", "--rounds", "2",
+          "--batch-ms", "0.2", "--impls", "mpi4py,hpcddp,direct,gloo,hpcddp-async",
+          "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert {c["op"] for c in result["cells"]} == {"reduce", "gather", "scatter"}
+    for c in result["cells"]:
+        for name, rec in c["impls"].items():
+            assert not rec.get("wrong"), f"{c['op']} {c['bytes']} B: {name} computed a wrong result"
+            assert "times_s" in rec, (c["op"], name, rec)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="uses the embedded Open MPI's mpirun")
 def test_comm_np_starts_its_own_job(tmp_path):
     env = {k: v for k, v in ENV.items() if not k.startswith(("OMPI_", "PMIX_", "SLURM_", "PMI_"))}
@@ -518,3 +533,31 @@ def test_group_rows_ab_figures_are_the_runs():
         steps = [h for job, h, _, _ in jobs if job.startswith(v)]
         assert len(steps) == 7 and f"{min(steps):.2f}-{max(steps):.2f} steps/s {v}" in section
         assert f"{ab.ddp_median(v):.2f} steps/s {v}" in section
+
+
+def test_rooted_ops_table_is_the_saved_runs():
+    """docs/benchmarks.md ("reduce, gather and scatter") quotes the paired ratios of the bench
+    tables saved in docs/benchmarks/rooted-ops/, old -> new."""
+    import re
+    folder = os.path.join(DOCS, "benchmarks", "rooted-ops")
+
+    def ratios(version, ranks):
+        got, op = {}, None
+        for name in ("reduce", "gather-scatter"):
+            for line in open(os.path.join(folder, f"{name}-{version}-np{ranks}.txt")):
+                m = re.match(r"^(\w+): \d ranks", line)
+                if m:
+                    op = m.group(1)
+                m = re.match(r"^\s*([\d.]+) (KiB|MiB) .*?\s([\d.]+) \(", line)
+                if m:
+                    size = f"{float(m.group(1)) / (1024 if m.group(1) == '1024.0' else 1):g} " \
+                           f"{'MiB' if m.group(1) == '1024.0' else m.group(2)}"
+                    got[op, size] = m.group(3)
+        return got
+    page = open(os.path.join(DOCS, "benchmarks.md")).read()
+    for ranks in (2, 3):
+        old, new = ratios("old", ranks), ratios("new", ranks)
+        for op in ("reduce", "gather", "scatter"):
+            cells = " | ".join(f"{old[op, s]} -> {new[op, s]}"
+                               for s in ("64 KiB", "1 MiB", "4 MiB", "16 MiB"))
+            assert f"| {op}, {ranks} | {cells} |" in page, (op, ranks, cells)

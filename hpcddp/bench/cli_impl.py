@@ -107,7 +107,7 @@ def comm_text(result: dict, markdown: bool = False) -> str:
 def _comm(args) -> int:
     from hpcddp.bench import comm, protocol
     from hpcddp.comm import log
-    ops = _split(args.ops, "op", comm.OPS) if args.ops else list(comm.OPS)
+    ops = _split(args.ops, "op", comm.ALL_OPS) if args.ops else list(comm.OPS)
     impls = _split(args.impls, "implementation", comm.ALL_IMPLS) if args.impls \
         else list(comm.IMPLS)
     sizes = protocol.parse_sizes(args.sizes) if args.sizes else list(protocol.DEFAULT_SIZES)

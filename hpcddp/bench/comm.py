@@ -14,11 +14,13 @@ Implementations, all on the same buffers (float32, SUM) in the same job:
                 what the agreement costs (docs/hangs.md). Not a mode users can select.
 ==============  ===========================================================================
 
-Sizes S follow nccl-tests: all_reduce, broadcast and send/recv one rank's buffer;
-all_gather the total output (per-rank input x n); reduce_scatter the total input; all_to_all
-one rank's whole send buffer. Per-rank blocks are rounded down to whole float32 elements (at
-least one), and the bytes actually moved are what is reported. busbw = algbw x factor
-(all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, send/recv 1).
+Sizes S follow nccl-tests: all_reduce, broadcast, reduce and send/recv one rank's buffer;
+all_gather and gather the total output (per-rank input x n); reduce_scatter and scatter the
+total input; all_to_all one rank's whole send buffer. Per-rank blocks are rounded down to whole
+float32 elements (at least one), and the bytes actually moved are what is reported. busbw =
+algbw x factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all, gather, scatter
+(n-1)/n; broadcast, reduce, send/recv 1). reduce, gather and scatter (rank 0 the root) run
+only when ``--ops`` names them.
 
 The ``*_list`` free forms (``all_gather``, ``reduce_scatter``, ``all_to_all``) take lists of
 separate tensors, as torch's documentation examples do; the ``*_tensor``/``_single`` forms one
@@ -33,6 +35,10 @@ import gc
 
 OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
        "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send_recv")
+# rooted ops, on request (``--ops reduce,gather,scatter``): rank 0 is the root; the saved
+# default runs (and ``--compare`` against them) keep the ops above
+ROOTED_OPS = ("reduce", "gather", "scatter")
+ALL_OPS = OPS + ROOTED_OPS
 IMPLS = ("mpi4py", "hpcddp", "direct", "gloo", "memcpy")
 OPTIONAL_IMPLS = ("hpcddp-async", "direct-unchecked")
 ALL_IMPLS = IMPLS + OPTIONAL_IMPLS
@@ -41,7 +47,7 @@ ALL_IMPLS = IMPLS + OPTIONAL_IMPLS
 def busbw_factor(op: str, n: int) -> float:
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("broadcast", "send_recv"):
+    if op in ("broadcast", "send_recv", "reduce"):
         return 1.0
     return (n - 1) / n
 
@@ -380,10 +386,88 @@ class SendRecv(_Cell):
         return bool(self.torch.equal(self.r, self.pattern(self.count, 1000.0 * prv)))
 
 
+class Reduce(AllReduce):
+    def fns(self):
+        c, t, a = self.ctx, self.t, self.a
+        raw, MPI, dist, hp, G = c.raw, c.MPI, c.dist, c.hpcddp, c.gloo
+        SUM = MPI.SUM
+        send, recv = (MPI.IN_PLACE, a) if c.rank == 0 else (a, None)
+        return {
+            "mpi4py": lambda: raw.Reduce(send, recv, SUM, root=0),
+            "hpcddp": lambda: dist.reduce(t, 0),
+            "direct": lambda: hp.reduce(t, 0),
+            "gloo": lambda: dist.reduce(t, 0, group=G),
+            "hpcddp-async": lambda: dist.reduce(t, 0, async_op=True).wait(),
+        }
+
+    def verify(self, impl):
+        # what a non-root's tensor holds after is the backend's
+        return self.ctx.rank != 0 or super().verify(impl)
+
+
+class _Rooted(_Blocks):
+    """gather (``list_in``: False) or scatter (True): rank 0's list of n blocks, every rank's
+    one block; mpi4py's row is the flat call on one buffer of the n blocks."""
+    name, raw_name, list_in = "gather", "Gather", False
+
+    def build(self):
+        z = self.torch.zeros
+        n, c = self.ctx.n, self.count
+        self.one, self.flat = z(c), z(n * c)
+        self.lst = [z(c) for _ in range(n)]
+
+    def buffers(self):
+        return [self.one, self.flat, *self.lst]
+
+    def fns(self):
+        c = self.ctx
+        root = c.rank == 0
+        raw, op, hp_op = getattr(c.raw, self.raw_name), getattr(c.dist, self.name), \
+            getattr(c.hpcddp, self.name)
+        one, lst, G = self.one, self.lst if root else None, c.gloo
+        a_one, a_flat = one.numpy(), self.flat.numpy() if root else None
+        bufs = (a_flat, a_one) if self.list_in else (a_one, a_flat)
+        return {
+            "mpi4py": lambda: raw(*bufs, root=0),
+            "hpcddp": lambda: op(one, lst, 0),
+            "direct": lambda: hp_op(one, lst, 0),
+            "gloo": lambda: op(one, lst, 0, group=G),
+            "hpcddp-async": lambda: op(one, lst, 0, async_op=True).wait(),
+        }
+
+
+class Gather(_Rooted):
+    def prepare(self, impl):
+        self.one.copy_(self.block(self.ctx.rank, 0))
+
+    def verify(self, impl):
+        n, c = self.ctx.n, self.count
+        if self.ctx.rank != 0:
+            return True
+        got = [self.flat[j * c:(j + 1) * c] for j in range(n)] if impl == "mpi4py" else self.lst
+        return all(self.torch.equal(got[j], self.block(j, 0)) for j in range(n))
+
+
+class Scatter(_Rooted):
+    name, raw_name, list_in = "scatter", "Scatter", True
+
+    def prepare(self, impl):
+        c = self.count
+        if self.ctx.rank == 0:
+            for j in range(self.ctx.n):
+                self.lst[j].copy_(self.block(0, j))
+                self.flat[j * c:(j + 1) * c].copy_(self.block(0, j))
+        self.one.fill_(-1.0)
+
+    def verify(self, impl):
+        return bool(self.torch.equal(self.one, self.block(0, self.ctx.rank)))
+
+
 CELLS = {"all_reduce": AllReduce, "broadcast": Broadcast, "all_gather": AllGather,
          "all_gather_into_tensor": AllGatherIntoTensor, "reduce_scatter": ReduceScatter,
          "reduce_scatter_tensor": ReduceScatterTensor, "all_to_all": AllToAll,
-         "all_to_all_single": AllToAllSingle, "send_recv": SendRecv}
+         "all_to_all_single": AllToAllSingle, "send_recv": SendRecv,
+         "reduce": Reduce, "gather": Gather, "scatter": Scatter}
 
 
 class Context:
@@ -442,7 +526,7 @@ def run(ops=OPS, sizes=None, impls=IMPLS, rounds: int = 7, batch_s: float = 2e-3
     sizes = list(sizes or protocol.DEFAULT_SIZES)
     unknown = [o for o in ops if o not in CELLS]
     if unknown:
-        raise ValueError(f"bench comm: unknown op(s) {unknown}; valid: {', '.join(OPS)}")
+        raise ValueError(f"bench comm: unknown op(s) {unknown}; valid: {', '.join(ALL_OPS)}")
     bad = [i for i in impls if i not in ALL_IMPLS]
     if bad:
         raise ValueError(f"bench comm: unknown implementation(s) {bad}; valid: "

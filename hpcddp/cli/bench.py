@@ -56,9 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK")
     p = sub.add_parser("comm", help="every collective: mpi4py vs hpcddp vs direct API vs gloo "
                        "vs memcpy, 4 B - 64 MiB")
-    p.add_argument("--ops", help="comma-separated ops (default: all): all_reduce, broadcast, "
-                   "all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, "
-                   "all_to_all, all_to_all_single, send_recv")
+    p.add_argument("--ops", help="comma-separated ops (default: all but the rooted ones): "
+                   "all_reduce, broadcast, all_gather, all_gather_into_tensor, reduce_scatter, "
+                   "reduce_scatter_tensor, all_to_all, all_to_all_single, send_recv; and, "
+                   "named here, reduce, gather, scatter (rank 0 the root)")
     p.add_argument("--sizes", help="comma-separated sizes (4,1K,25MiB) or a range of the "
                    "default sizes (4-32K); default 4 B - 64 MiB")
     p.add_argument("--impls", help="comma-separated implementations (default: mpi4py,hpcddp,"

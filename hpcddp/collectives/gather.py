@@ -135,12 +135,13 @@ def _rooted(fn: str, tensor, lst, root, group, async_op, root_arg, list_arg, rol
     """The Call of gather or scatter: LST (LIST_ARG) n tensors like TENSOR on the root, None
     or empty on the other ranks."""
     call = _one(fn, tensor, group, async_op, root_arg, root)
-    call.tensors = lst
+    call.tensors, call.block = lst, tensor.numel()    # every rank's block: the same size
     if not call.device:
         comm = call.comm
         if comm.rank == root:
             check_list(lst, comm.size, fn, list_arg)
             same_spec(lst, tensor, fn, list_arg)
+            call.views = [as_array(t, fn, f"{list_arg}[{i}]") for i, t in enumerate(lst)]
         elif lst:
             raise ValueError(f"{fn}: {list_arg} must be None or empty on rank {comm.rank}, "
                              f"which is not the {role} ({root_arg}={root})")

@@ -164,10 +164,10 @@ def test_pipeline_roles(comm):
 def test_async_is_staged_whole(comm):
     """async_op=True stages the whole tensor: one copy in, the host op, one copy back.
 
-    all_reduce runs the blocking MPI call even for async_op (a blocking collective never
-    matches a non-blocking one on another rank), so its Work is complete on return and the
-    copy back has happened: the tensor holds the result before wait(). reduce is a real
-    MPI_Ireduce: the root's copy back runs in the Work's finish, after MPI completes.
+    all_reduce and reduce run the blocking MPI call even for async_op (a blocking collective
+    never matches a non-blocking one on another rank), so their Work is complete on return and
+    the copy back has happened: the tensor holds the result before wait(). gather is a real
+    MPI_Igather: the root's copies back run in the Work's finish, after MPI completes.
     """
     log: list = []
     x = data(comm.rank, 1000, torch.float32)
@@ -186,12 +186,22 @@ def test_async_is_staged_whole(comm):
     ref = x.clone()
     C.reduce(ref, 0, R.SUM, comm)
     w = D.reduce(x, 0, R.SUM, comm, True, ctx("staging", log))
-    assert [e[0] for e in log] == ["d2h"]
-    w.wait()
     assert [e[0] for e in log] == (["d2h", "h2d"] if comm.rank == 0 else ["d2h"])
     if comm.rank == 0:
-        same(x, ref, "async staged reduce at the root")
+        same(x, ref, "async staged reduce at the root, before wait")
+    w.wait()
     assert w.result()[0] is x
+
+    log.clear()
+    x = data(comm.rank, 1000, torch.float32)
+    got = [torch.empty(1000) for _ in range(comm.size)] if comm.rank == 0 else None
+    w = D.gather(x, got, 0, comm, True, ctx("staging", log))
+    assert [e[0] for e in log] == ["d2h"]
+    w.wait()
+    if comm.rank == 0:
+        assert [e[0] for e in log] == ["d2h"] + ["h2d"] * comm.size, log
+        for r, t in enumerate(got):
+            same(t, data(r, 1000, torch.float32), "async staged gather")
 
 
 # -- the other ops: whole-op staging, and the direct path's blocking forms -----------------

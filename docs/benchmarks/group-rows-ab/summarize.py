@@ -1,44 +1,25 @@
 """The figures of docs/benchmarks.md ("The dispatch table", each group's own rows) from the runs
 in this folder (each job's JSON, per-round times left out):
-python docs/benchmarks/group-rows-ab/summarize.py"""
+python docs/benchmarks/group-rows-ab/summarize.py
+
+The comm figures are computed as for the paths-objects A/B (its summarize.py, read from this
+folder); DDP has seven jobs a side here (one-node DDP varies by job)."""
+import importlib.util
 import json
 import os
 import statistics as st
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def comm(version: str) -> dict:
-    """(op, bytes, impl) -> the 3 jobs' medians (us); impl "ratio"/"dratio": hpcddp's and the
-    direct API's time over raw mpi4py's, paired within each job."""
-    out: dict = {}
-    for i in (1, 2, 3):
-        with open(os.path.join(HERE, f"comm-{version}-{i}.json")) as f:
-            cells = json.load(f)["cells"]
-        for c in cells:
-            s, key = c["stats"], (c["op"], c["bytes"])
-            for impl in ("hpcddp", "direct", "mpi4py"):
-                out.setdefault((*key, impl), []).append(s[impl]["median_us"])
-            out.setdefault((*key, "ratio"), []).append(s["hpcddp"]["median_us"]
-                                                      / s["mpi4py"]["median_us"])
-            out.setdefault((*key, "dratio"), []).append(s["direct"]["median_us"]
-                                                       / s["mpi4py"]["median_us"])
-    return {k: st.median(v) for k, v in out.items()}
-
-
-def headline() -> dict:
-    """impl -> (median, min, max) over the rows of new/old (time over mpi4py's)."""
-    old, new = comm("old"), comm("new")
-    out = {}
-    for name, key in (("torch", "ratio"), ("direct", "dratio")):
-        r = [new[k] / old[k] for k in old if k[2] == key]
-        out[name] = (st.median(r), min(r), max(r), len(r))
-    return out
+_spec = importlib.util.spec_from_file_location(
+    "paths_objects_ab", os.path.join(HERE, os.pardir, "paths-objects-ab", "summarize.py"))
+_base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_base)
+_base.HERE = HERE           # its comm() and headline() read this folder's six comm jobs
+comm, headline = _base.comm, _base.headline
 
 
 def ddp() -> list:
-    """(job, hpcddp steps/s, gloo steps/s, compute steps/s) of each DDP 10M job (seven of
-    each side, alternating: one-node DDP varies by job)."""
+    """(job, hpcddp steps/s, gloo steps/s, compute steps/s) of each DDP 10M job."""
     rows = []
     for v in ("old", "new"):
         for i in range(1, 8):
@@ -62,4 +43,3 @@ if __name__ == "__main__":
         print(f"| {job} | {h:.2f} | {g:.2f} | {c:.2f} | {h / g:.2f} |")
     for v in ("old", "new"):
         print(f"DDP {v}: hpcddp steps/s median {ddp_median(v):.2f}")
-

@@ -1,6 +1,7 @@
 """The point-to-point path of the list forms: all_gather, all_to_all and reduce_scatter on
-lists of separate tensors, each block straight from its tensor into its tensor
-(hpcddp.collectives._lists), on groups of up to HPCDDP_LIST_P2P_MAX_RANKS ranks."""
+lists of separate tensors, gather and scatter on the root's list, each block straight from
+its tensor into its tensor (hpcddp.collectives._lists), on groups of up to
+HPCDDP_LIST_P2P_MAX_RANKS ranks."""
 from __future__ import annotations
 
 from hpcddp.collectives import _lists, _plans
@@ -9,7 +10,7 @@ from hpcddp.collectives import _lists, _plans
 class ListsPath:
     name = "point-to-point"
     min_bytes = 0
-    OPS = frozenset({"all_gather", "all_to_all", "reduce_scatter"})
+    OPS = frozenset({"all_gather", "all_to_all", "reduce_scatter", "gather", "scatter"})
 
     @staticmethod
     def state(comm, op) -> str:
@@ -33,6 +34,14 @@ class ListsPath:
     @staticmethod
     def reduce_scatter(c):  # zero-copy inputs
         return _lists.reduce_scatter(c)
+
+    @staticmethod
+    def gather(c):          # zero-copy: each block straight into its tensor on the root
+        return _lists.gather(c)
+
+    @staticmethod
+    def scatter(c):         # zero-copy: each block straight from its tensor on the root
+        return _lists.scatter(c)
 
     # a blocking call's exchange, as it ran, planned (take's memo: the second call in a row)
     @staticmethod

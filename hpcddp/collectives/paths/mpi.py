@@ -87,18 +87,25 @@ class MPIPath:
 
     @staticmethod
     def reduce(c):
+        # The blocking MPI call, with or without async_op, as all_reduce's: Open MPI's
+        # Ireduce + wait took 1.5-4.7x Reduce's time from 64 KiB (docs/benchmarks.md,
+        # "reduce on the blocking MPI call")
         tensor, comm, mop, kind, dst = c.tensor, c.comm, c.mop, c.kind, c.root
-        big = _large.too_big(c.arr)
-        if comm.rank == dst:
-            pre_reduce(tensor, c.op, kind)
-            reqs = (_large.reduce(comm, c.arr, mop, dst) if big
-                    else [comm.mpi.Ireduce(IN_PLACE, c.arr, mop, root=dst)])
-            return wait_or_work(c, reqs, lambda: post_reduce(tensor, kind, comm.size))
-        send = tensor.clone() if kind == PREMUL_KIND else tensor
+        root = comm.rank == dst
+        send = tensor.clone() if kind == PREMUL_KIND and not root else tensor
         pre_reduce(send, c.op, kind)
-        reqs = (_large.reduce(comm, as_array(send), mop, dst) if big
-                else [comm.mpi.Ireduce(as_array(send), None, mop, root=dst)])
-        return wait_or_work(c, reqs, keep=send if send is not tensor else None)
+        arr = c.arr if send is tensor else as_array(send)
+        try:
+            if root:
+                comm.mpi.Reduce(IN_PLACE, arr, mop, root=dst)
+            else:
+                comm.mpi.Reduce(arr, None, mop, root=dst)
+        except _large.REFUSED:  # over MPI's count limit: pieces
+            if not _large.too_big(arr):
+                raise
+            MPI.Request.Waitall(_large.reduce(comm, arr, mop, dst))
+        if root:
+            post_reduce(tensor, kind, comm.size)
 
     @staticmethod
     def reduce_scatter_tensor(c):
