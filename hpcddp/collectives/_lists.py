@@ -157,12 +157,14 @@ def scatter(c):
     views = c.views
     if c.tensors[r].data_ptr() != c.tensor.data_ptr():
         np.copyto(c.arr, views[r])
-    return wait_or_work(c, [side.Isend(views[j], j, TAG) for j in range(comm.size) if j != r])
+    # keep: the views do not own the list's memory, and torch hands in a list of its own
+    return wait_or_work(c, [side.Isend(views[j], j, TAG) for j in range(comm.size) if j != r],
+                        keep=list(c.tensors))
 
 
 def _send_or_work(c, side, arr, dst):
-    if c.async_op:
-        return wait_or_work(c, [side.Isend(arr, dst, TAG)])
+    if c.async_op:        # keep: ARR does not own its memory, and the Work returns nothing
+        return wait_or_work(c, [side.Isend(arr, dst, TAG)], keep=c.tensor)
     side.Send(arr, dst, TAG)
     return None
 

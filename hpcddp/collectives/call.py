@@ -186,10 +186,10 @@ def take(route: tuple, call: Call):
         seq = comm.seq = comm.seq + 1          # the record (recorder.FlightRecorder.start)
         _ring[next(_slots)] = entry = call.entry = [seq, call.name, comm, call.shape,
                                                     call.dtype, call.root, _clock[0], 0.0]
-        if call.nbytes >= _AGREE_FROM:
-            _agree_recorded(comm, entry, call.red)
     nbytes = call.nbytes
     try:
+        if collective and nbytes >= _AGREE_FROM:
+            _agree_recorded(comm, entry, call.red)
         rows = None if nbytes < route[3] else group_rows(route, comm)
         if rows is None or nbytes < rows[1]:
             run, plan = route[4]                # below every middle row's start
@@ -258,8 +258,9 @@ def failed(entry: list) -> None:
     """Close the record ENTRY of a call whose path raised: no longer in flight, and marked as
     left unfinished (diagnostics.recorder.describe: "abandoned"), so a stall report names it
     as the call this rank gave up, not one it still waits in."""
-    entry[_T_END] = _clock[0]
-    entry.append("failed")
+    if entry[_T_END] == 0.0:      # one the agreement refused is ended as it was
+        entry[_T_END] = _clock[0]
+        entry.append("failed")
 
 
 def run_host(route: tuple, call: Call):

@@ -345,3 +345,28 @@ def test_failed_future_is_failed_for_cpp_readers_too():
     plain = torch.futures.Future()
     plain.set_exception(RuntimeError("invisible"))
     assert cpp_view(plain)[0] is True
+
+
+def test_async_rooted_ops_keep_the_buffers_they_send(world):
+    """An async scatter from a list the caller drops at once (torch hands in its own list),
+    and an async gather whose only reference to the sent tensor is the call's, still move the
+    right bytes: the Work keeps what its messages read (1 MiB blocks: freed memory is
+    unmapped, so a send from it would crash or carry garbage)."""
+    import gc
+    n, r, k = dist.get_world_size(), dist.get_rank(), 1 << 18
+    out = torch.empty(k)
+    blocks = [torch.full((k,), float(j + 1)) for j in range(n)] if r == 0 else None
+    w = dist.scatter(out, blocks, 0, async_op=True)
+    del blocks
+    gc.collect()
+    scratch = [torch.full((k,), -1.0) for _ in range(n)]   # may reuse the freed memory
+    w.wait()
+    assert torch.equal(out, torch.full((k,), float(r + 1)))
+    got = [torch.empty(k) for _ in range(n)] if r == 0 else None
+    w = dist.gather(torch.full((k,), float(r + 7)), got, 0, async_op=True)
+    gc.collect()
+    scratch += [torch.full((k,), -1.0) for _ in range(n)]
+    w.wait()
+    if r == 0:
+        assert all(torch.equal(t, torch.full((k,), float(j + 7))) for j, t in enumerate(got))
+    del scratch
