@@ -104,6 +104,29 @@ def test_tables_and_targets():
     assert "targets:" in report.targets_text(targets)
 
 
+def test_targets_across_nodes_are_the_links():
+    """Across nodes gloo and MPI share the link: the run is held to gloo's busbw (0.95x) and
+    the link's rate (0.9x), not to one node's shared-memory targets (2x, 30x gloo)."""
+    r = _fake_comm(gloo=1.0)           # gloo as fast as raw MPI, as over a 1 Gbit/s link
+    r["setup"]["nodes"] = 2
+    busbw = (1 << 20) / 2.1e-4         # mpi4py's median time at 1 MiB: 0.21 ms
+    r["link_bytes_per_s"] = busbw / 0.95
+    r = report.summarize(r)
+    names = {t["target"] for t in report.comm_targets(r)}
+    assert not any("2× gloo" in n or "30×" in n for n in names)
+    got = {(t["target"], t["op"]): t for t in report.comm_targets(r)}
+    # hpcddp at 1.05x raw's time: 0.95x gloo's busbw (holds), 0.905 of the link (holds)
+    t = got["≥ 1 MiB across nodes: hpcddp busbw ≥ 0.95× gloo", "all_reduce"]
+    assert t["ok"] and t["value"] == pytest.approx(1 / 1.05)
+    assert got["≥ 1 MiB across nodes: hpcddp busbw ≥ 0.9× the link's rate", "all_reduce"]["ok"]
+    # the direct API at 1.2x: below both
+    assert not got["≥ 1 MiB across nodes: direct busbw ≥ 0.95× gloo", "all_reduce"]["ok"]
+    assert not got["≥ 1 MiB across nodes: direct busbw ≥ 0.9× the link's rate",
+                   "all_reduce"]["ok"]
+    del r["link_bytes_per_s"]          # a run across real nodes of unknown rate: gloo only
+    assert not any("link" in t["target"] for t in report.comm_targets(r))
+
+
 def test_setup_says_what_each_node_path_race_chose():
     """A job where MPI won a node-local race runs at MPI's speed: its setup lines must say so,
     and from which size each path served each op."""

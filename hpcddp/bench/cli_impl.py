@@ -118,6 +118,9 @@ def _comm(args) -> int:
     if result is None:
         return 0
     result["command"] = _command_line()
+    if args.link_rate:          # --vcluster ... --rate: the link's own target
+        from hpcddp.bench.vcluster import link_bytes_per_s
+        result["link_bytes_per_s"] = link_bytes_per_s(args.link_rate)
     report.summarize(result)
     result["targets"] = report.comm_targets(result)
     status = _finish(args, result, comm_text(result), report.plot_comm)
