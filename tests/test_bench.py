@@ -127,6 +127,24 @@ def test_targets_across_nodes_are_the_links():
     assert not any("link" in t["target"] for t in report.comm_targets(r))
 
 
+def test_ddp_targets_across_nodes_are_gloo_and_the_bound():
+    """A DDP run across nodes is held to 1.1x gloo and 0.85x the link's bound (the saved
+    2-node run at 1 Gbit/s: 10M at 1.085x gloo, 0.865 of the bound), one node's to 1.25x gloo."""
+    from hpcddp.bench import ddp
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "..", "docs", "benchmarks", "tcp-ring",
+                           "ddp-2x1-10M-50M.json")) as f:
+        across = json.load(f)
+    got = {t["target"]: t for t in ddp.targets(across)}
+    assert set(got) == {f"DDP {m} across nodes: hpcddp steps/s ≥ {x}" for m in ("10M", "50M")
+                        for x in ("1.1× gloo", "0.85× the bound")}
+    ten = got["DDP 10M across nodes: hpcddp steps/s ≥ 1.1× gloo"]
+    assert ten["value"] == pytest.approx(across["models"][0]["ratios"]["hpcddp/gloo"]["median"])
+    assert got["DDP 10M across nodes: hpcddp steps/s ≥ 0.85× the bound"]["ok"]
+    across["config"]["nodes"] = 1
+    assert [t["target"] for t in ddp.targets(across)] == ["DDP 10M: hpcddp steps/s ≥ 1.25× gloo"]
+
+
 def test_setup_says_what_each_node_path_race_chose():
     """A job where MPI won a node-local race runs at MPI's speed: its setup lines must say so,
     and from which size each path served each op."""
