@@ -554,21 +554,38 @@ def test_paths_objects_ab_figures_are_the_runs():
         assert f"| {job} | {h:.2f} | {g:.2f} | {c:.2f} | {h / g:.2f} |" in readme, job
 
 
-def test_group_rows_ab_figures_are_the_runs():
-    """docs/benchmarks.md ("The dispatch table", each group's own rows) quotes the A/B saved in
-    docs/benchmarks/group-rows-ab/: new/old of the six comm jobs and the 14 DDP jobs."""
+def _ab_quoted(folder: str, marker: str):
+    """(the A/B's summarize module in docs/benchmarks/FOLDER, the text of docs/benchmarks.md
+    from the paragraph MARKER to the next heading), after checking that it quotes the comm
+    jobs' headline: new/old through torch and through the direct API."""
     import importlib.util
-    folder = os.path.join(DOCS, "benchmarks", "group-rows-ab")
-    spec = importlib.util.spec_from_file_location("rows_ab", os.path.join(folder, "summarize.py"))
+    path = os.path.join(DOCS, "benchmarks", folder, "summarize.py")
+    spec = importlib.util.spec_from_file_location(folder.replace("-", "_"), path)
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
     page = open(os.path.join(DOCS, "benchmarks.md")).read()
-    section = " ".join(page.split("**Each group's own rows.**", 1)[1].split("\n## ", 1)[0].split())
+    section = " ".join(page.split(marker, 1)[1].split("\n## ", 1)[0].split())
     fig = ab.headline()
     med, lo, hi, n = fig["torch"]
     assert f"median {med:.3f} (min {lo:.3f}, max {hi:.3f} over {n} rows)" in section
     dmed, dlo, dhi, _ = fig["direct"]
     assert f"{dmed:.3f} ({dlo:.3f}-{dhi:.3f})" in section
+    return ab, section
+
+
+def test_scaled_tail_ab_figures_are_the_runs():
+    """docs/benchmarks.md ("AVG and PREMUL_SUM in take") quotes the A/B saved in
+    docs/benchmarks/scaled-tail-ab/."""
+    ab, section = _ab_quoted("scaled-tail-ab", "**AVG and PREMUL_SUM in take.**")
+    old, new = ab.comm("old"), ab.comm("new")
+    key = ("reduce_scatter_tensor", 65536, "ratio")
+    assert f"at 64 KiB {old[key]:.2f} -> {new[key]:.2f}× raw's time" in section
+
+
+def test_group_rows_ab_figures_are_the_runs():
+    """docs/benchmarks.md ("The dispatch table", each group's own rows) quotes the A/B saved in
+    docs/benchmarks/group-rows-ab/: new/old of the six comm jobs and the 14 DDP jobs."""
+    ab, section = _ab_quoted("group-rows-ab", "**Each group's own rows.**")
     jobs = ab.ddp()
     for v in ("new", "old"):
         steps = [h for job, h, _, _ in jobs if job.startswith(v)]

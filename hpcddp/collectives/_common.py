@@ -10,7 +10,7 @@ from hpcddp.comm.buffers import as_array, as_arrays, check_tensor, same_spec  # 
 from hpcddp.comm.ops import RedOpType
 from hpcddp.diagnostics import mismatch as _mismatch, recorder as _rec
 from hpcddp.collectives.work import CompletedWork, Work  # noqa: F401
-from hpcddp.collectives.call import reduce_op, resolve, world_rank  # noqa: F401
+from hpcddp.collectives.call import premul_factor, reduce_op, resolve, world_rank  # noqa: F401
 
 IN_PLACE = MPI.IN_PLACE
 # Chosen once, at import: with HPCDDP_DEBUG=detail every collective's record() also runs the
@@ -22,12 +22,10 @@ record_end = _rec.end
 
 
 def pre_reduce(tensor: torch.Tensor, op, kind) -> None:
-    """PREMUL_SUM scales its input before the SUM (NCCL's definition)."""
+    """PREMUL_SUM scales its input before the SUM (NCCL's definition; the device path's: on
+    the host, take() scales, hpcddp.collectives.call.premultiply)."""
     if kind == RedOpType.PREMUL_SUM:
-        factor = getattr(op, "factor", None)
-        if factor is None:
-            raise ValueError("PREMUL_SUM needs a factor: use dist._make_nccl_premul_sum(factor)")
-        tensor.mul_(factor)
+        tensor.mul_(premul_factor(op))
 
 
 def post_reduce(tensor: torch.Tensor, kind, size: int) -> None:
@@ -63,14 +61,6 @@ def wait_or_work(call, requests, finish=None, keep=None):
     if finish is not None:
         finish()
     return None
-
-
-def sum_in_place(call, path_sum) -> None:
-    """AVG's and PREMUL_SUM's scaling around PATH_SUM(), a path's SUM of CALL's tensor in
-    place (what the node-local all_reduce paths share)."""
-    pre_reduce(call.tensor, call.op, call.kind)
-    path_sum()
-    post_reduce(call.tensor, call.kind, call.comm.size)
 
 
 def flat_buffer(like: torch.Tensor, count: int) -> torch.Tensor:

@@ -169,21 +169,22 @@ def _send_or_work(c, side, arr, dst):
     return None
 
 
-_COMBINE = {_RedOpType.SUM: torch.Tensor.add_, _RedOpType.AVG: torch.Tensor.add_}
+# the SUM family: take() scales a PREMUL_SUM's inputs before and divides an AVG's result after
+_SUMMED = (_RedOpType.SUM, _RedOpType.AVG, _RedOpType.PREMUL_SUM)
 _scratch: dict = {}   # (elements, dtype) -> up to two free receive buffers
 
 
 def reduce_scatter_supported(kind, dtype) -> bool:
-    """SUM and AVG on numeric (non-bool) tensors; other ops keep the flat MPI reduction."""
-    return kind in _COMBINE and dtype != torch.bool
+    """The SUM family on numeric (non-bool) tensors; other ops keep the flat MPI reduction."""
+    return kind in _SUMMED and dtype != torch.bool
 
 
 def reduce_scatter(call):
-    """reduce_scatter CALL (SUM or AVG): rank r receives every peer's input_list[r] into
+    """reduce_scatter CALL (a SUM: take() scales around it): rank r receives every peer's input_list[r] into
     scratch and adds it to its own block, zero-copy from the inputs.
 
     The sum runs in rank order (x_0 + x_1 + ... as MPI's reduction does for few ranks)."""
-    output, input_list, kind, comm = call.tensor, call.tensors, call.kind, call.comm
+    output, input_list, comm = call.tensor, call.tensors, call.comm
     side = side_comm(comm)
     r, n = comm.rank, comm.size
     c = output.numel()
@@ -199,8 +200,6 @@ def reduce_scatter(call):
         recv[src] = buf
         reqs.append(side.Irecv(as_array(buf), src, TAG))
         reqs.append(side.Isend(as_array(input_list[dst]), dst, TAG))
-    add = _COMBINE[kind]
-
     def finish():
         out = output.view(-1)
         first = True
@@ -210,9 +209,7 @@ def reduce_scatter(call):
                 out.copy_(part)
                 first = False
             else:
-                add(out, part)
-        if kind == _RedOpType.AVG:
-            out.div_(n)
+                out.add_(part)
         recv.clear()
         if len(free) < 2:
             free.append(scratch)

@@ -15,7 +15,9 @@ table). ``take``:
    still queued, goes to the engine instead, in issue order (hpcddp.collectives.engine);
 3. runs the first row that applies (the last, MPI, always does), of the rows as they stand on
    the call's group (:func:`group_rows`: a node-local path that cannot serve the group is
-   not asked, one that serves from a size is skipped below it with a compare);
+   not asked, one that serves from a size is skipped below it with a compare); the paths
+   only SUM: a PREMUL_SUM's inputs are scaled before (:func:`premultiply`), an AVG's result
+   divided after (:func:`average`, chained onto the path's Work where it returns one);
 4. ends the record and answers where the path completed the op (None, or a completed Work
    for ``async_op``), or hands out the path's Work; a path that raises leaves the record
    closed as unfinished (:func:`failed`);
@@ -103,7 +105,7 @@ def world_rank() -> int:
     return (rt.world if rt is not None else _rt.init().world).rank
 
 
-_SUM = RedOpType.SUM
+_SUM, _AVG, _PREMUL = RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM
 _sum_cache: dict = {}
 _op_cache: dict = {}
 
@@ -186,10 +188,14 @@ def take(route: tuple, call: Call):
         seq = comm.seq = comm.seq + 1          # the record (recorder.FlightRecorder.start)
         _ring[next(_slots)] = entry = call.entry = [seq, call.name, comm, call.shape,
                                                     call.dtype, call.root, _clock[0], 0.0]
-    nbytes = call.nbytes
+    nbytes, red = call.nbytes, call.red
     try:
         if collective and nbytes >= _AGREE_FROM:
-            _agree_recorded(comm, entry, call.red)
+            _agree_recorded(comm, entry, red)
+        # !=, ==: torch hands out new enum objects; a SUM stops at the first compare
+        scaled = red is not None and red != _SUM and (red == _PREMUL or red == _AVG)
+        if scaled and red == _PREMUL:
+            premultiply(route[7], call)
         rows = None if nbytes < route[3] else group_rows(route, comm)
         if rows is None or nbytes < rows[1]:
             run, plan = route[4]                # below every middle row's start
@@ -199,6 +205,8 @@ def take(route: tuple, call: Call):
                 if nbytes >= min_bytes and (applies is None or applies(call)):
                     done = run(call)
                     break
+        if scaled and red == _AVG:
+            average(call, done)
     except BaseException:
         if collective:
             failed(entry)
@@ -241,10 +249,14 @@ class _Queued:
         self.route = route
 
     def __call__(self, call: Call):
-        entry = call.entry
+        entry, red = call.entry, call.red
         try:
-            _agree_recorded(call.comm, entry, call.red)
+            _agree_recorded(call.comm, entry, red)
+            if red is not None and red == _PREMUL:
+                premultiply(self.route[7], call)
             done = run_host(self.route, call)
+            if red is not None and red == _AVG:
+                average(call, done)
         except BaseException:
             failed(entry)
             raise
@@ -252,6 +264,44 @@ class _Queued:
             entry[_T_END] = _clock[0]
             return CompletedWork(call.results)
         return done
+
+
+def premul_factor(op):
+    """The factor of a PREMUL_SUM reduce op (a float or a tensor)."""
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        raise ValueError("PREMUL_SUM needs a factor: use dist._make_nccl_premul_sum(factor)")
+    return factor
+
+
+def premultiply(method: str, call: Call) -> None:
+    """A PREMUL_SUM's inputs times its factor (NCCL's definition), so the path runs a SUM: in
+    place where the op's input is its result (all_reduce; reduce on the root), else on copies
+    the call then sends (the caller's inputs are left as they were)."""
+    factor = premul_factor(call.op)
+    if method == "all_reduce" or method == "reduce" and call.comm.rank == call.root:
+        call.tensor.mul_(factor)
+    elif method == "reduce":
+        call.tensor = call.tensor * factor
+        call.arr = as_array(call.tensor)
+    elif method == "reduce_scatter_tensor":
+        call.input = call.input * factor
+        call.inp = as_array(call.input)
+    else:                                   # reduce_scatter: one block per rank
+        call.tensors = [t * factor for t in call.tensors]
+
+
+def average(call: Call, done) -> None:
+    """An AVG's result: the SUM the path made (where the op has one on this rank: reduce only
+    on its root) divided by the group's size, now or, where the path left the op in flight
+    (DONE, its Work), as the Work completes."""
+    if call.root is not None and call.comm.rank != call.root:
+        return
+    tensor, size = call.tensor, call.comm.size
+    if done is None:
+        tensor.div_(size)
+    else:
+        done.then_finish(lambda: tensor.div_(size))
 
 
 def failed(entry: list) -> None:

@@ -54,7 +54,7 @@ def _p2p(fn: str, tensor, peer, group, tag, plan: bool = True) -> Call:
         _check_peer(comm, peer, fn, "src")
     call = Call()
     call.comm, call.group, call.async_op, call.tensor = comm, group, True, tensor
-    call.root, call.tag, call.plannable = peer, tag, plan
+    call.root, call.tag, call.plannable, call.red = peer, tag, plan, None
     # planned on its second call in a row (the C hit then starts it: P2PWork); the record is
     # the path's (point-to-point ops have their own numbering)
     call.memo = (tensor,) if plan else None

@@ -61,6 +61,15 @@ class Work(dist._Work):
         if self._entry is not None:
             _rec.end(self._entry)
 
+    def then_finish(self, step) -> None:
+        """Run STEP after the op's own finishing step, as it completes (now, if it has)."""
+        with self._lock:
+            if not self._done:
+                first = self._finish
+                self._finish = step if first is None else _Chain(first, step)
+                return
+        step()
+
     def _block(self) -> None:
         """Wait for the requests (caller holds self._lock)."""
         if self._status is not None:
@@ -111,6 +120,18 @@ class Work(dist._Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+
+class _Chain:
+    """Two finishing steps, in order."""
+    __slots__ = ("first", "then")
+
+    def __init__(self, first, then):
+        self.first, self.then = first, then
+
+    def __call__(self) -> None:
+        self.first()
+        self.then()
 
 
 # -- the size of a received message ------------------------------------------------------------

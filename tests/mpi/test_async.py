@@ -218,6 +218,39 @@ def test_direct_api_async(world):
     assert w.wait() and w.result() == []
 
 
+@pytest.mark.parametrize("opname", ["AVG", "PREMUL_SUM"])
+def test_async_scaled_reductions_finish_when_waited(world, opname):
+    """take() scales around every path: a PREMUL_SUM's inputs before (on copies where the input
+    is not the result: the caller's stay as they were), an AVG's result when the Work completes
+    (chained onto the path's own finishing step). Every reduction, left in flight while the
+    other ranks' inputs change nothing, against numpy."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    op = M.make_op(opname)
+    k = 6
+    ins = [M.value(torch.float64, q, (n * k,)) for q in range(n)]
+    inp = ins[r].clone()
+    out = torch.full((k,), -1.0, dtype=torch.float64)
+    w = dist.reduce_scatter_tensor(out, inp, op=op, async_op=True)
+    w.wait()
+    want = M.reduce_ref(opname, ins, torch.float64)
+    assert torch.allclose(out, want[r * k:(r + 1) * k]), (out, want)
+    assert torch.equal(inp, ins[r]), "reduce_scatter_tensor changed its input"
+    blocks = [b.clone() for b in inp.chunk(n)]
+    out2 = torch.full((k,), -1.0, dtype=torch.float64)
+    dist.reduce_scatter(out2, blocks, op=op, async_op=True).wait()
+    assert torch.allclose(out2, want[r * k:(r + 1) * k]), (out2, want)
+    assert torch.equal(torch.cat(blocks), ins[r]), "reduce_scatter changed its input list"
+    t = ins[r].clone()
+    dist.reduce(t, 0, op=op, async_op=True).wait()
+    if r == 0:
+        assert torch.allclose(t, want), (t, want)
+    else:
+        assert torch.equal(t, ins[r]), "reduce changed a non-root's tensor"
+    t = ins[r].clone()
+    dist.all_reduce(t, op=op, async_op=True).wait()
+    assert torch.allclose(t, want), (t, want)
+
+
 def test_many_outstanding(world):
     """200 outstanding ops of mixed kinds, waited in reverse order."""
     n, r = dist.get_world_size(), dist.get_rank()

@@ -4,11 +4,7 @@ faster than MPI."""
 from __future__ import annotations
 
 from hpcddp.collectives import _node, _shm
-from hpcddp.collectives._common import post_reduce, pre_reduce, sum_in_place
-from hpcddp.comm.ops import RedOpType
 from hpcddp.diagnostics import mismatch as _mismatch
-
-PREMUL_KIND = RedOpType.PREMUL_SUM
 
 
 class ArenaPath:
@@ -30,11 +26,9 @@ class ArenaPath:
 
     @staticmethod
     def all_reduce(c):
-        def path_sum():
-            check = _mismatch.agreement(c.comm, c.entry, c.kind)
-            if not c.via.all_reduce(c.tensor.view(-1), check):
-                check.refuse(c.entry)
-        sum_in_place(c, path_sum)
+        check = _mismatch.agreement(c.comm, c.entry, c.kind)
+        if not c.via.all_reduce(c.tensor.view(-1), check):
+            check.refuse(c.entry)
 
     @staticmethod
     def reduce_scatter_tensor(c):
@@ -48,14 +42,9 @@ class ArenaPath:
 
 def _reduce_scatter(c, blocks) -> None:
     """C's BLOCKS (one per rank) summed through the arena into its output, C.tensor."""
-    if c.kind == PREMUL_KIND:
-        blocks = [b.clone() for b in blocks]
-        for b in blocks:
-            pre_reduce(b, c.op, c.kind)
     check = _mismatch.agreement(c.comm, c.entry, c.kind)
     if not c.via.reduce_scatter(blocks, c.tensor.view(-1), check):
         check.refuse(c.entry)
-    post_reduce(c.tensor, c.kind, c.comm.size)
 
 
 ARENA = ArenaPath()

@@ -4,8 +4,6 @@ size where its start-up race finds it faster than MPI."""
 from __future__ import annotations
 
 from hpcddp.collectives import _hier, _large, _node
-from hpcddp.collectives._common import post_reduce, sum_in_place
-from hpcddp.collectives.paths.mpi import premultiplied
 
 
 class HierPath:
@@ -29,14 +27,12 @@ class HierPath:
     @staticmethod
     def all_reduce(c):
         _hier.agree(c.comm, c.entry, c.kind)
-        sum_in_place(c, lambda: c.via.all_reduce(c.arr, c.mop))
+        c.via.all_reduce(c.arr, c.mop)
 
     @staticmethod
     def reduce_scatter_tensor(c):
         _hier.agree(c.comm, c.entry, c.kind)
-        _, inp = premultiplied(c)
-        c.via.reduce_scatter(inp, c.arr, c.mop)
-        post_reduce(c.tensor, c.kind, c.comm.size)
+        c.via.reduce_scatter(c.inp, c.arr, c.mop)
 
     @staticmethod
     def broadcast(c):

@@ -18,15 +18,11 @@ from array import array
 import torch
 
 from hpcddp.collectives import _large, _plans
-from hpcddp.collectives._common import (IN_PLACE, as_array, finish_or_work, post_reduce,
-                                        pre_reduce, record_end, record_p2p, wait_or_work)
+from hpcddp.collectives._common import (IN_PLACE, as_array, finish_or_work, record_end,
+                                        record_p2p, wait_or_work)
 from hpcddp.collectives._plans import ALL_GATHER_TENSOR
 from hpcddp.collectives.work import RecvWork, check_count, truncation
 from hpcddp.comm._mpi import MPI
-from hpcddp.comm.ops import RedOpType
-
-SUM_KIND, PREMUL_KIND = RedOpType.SUM, RedOpType.PREMUL_SUM
-
 
 def scatter_copy(flat: torch.Tensor, outputs) -> None:
     """FLAT's consecutive blocks into the tensors OUTPUTS."""
@@ -35,16 +31,6 @@ def scatter_copy(flat: torch.Tensor, outputs) -> None:
         n = t.numel()
         t.view(-1).copy_(flat[off:off + n])
         off += n
-
-
-def premultiplied(c):
-    """(input, its view) of reduce_scatter_tensor call C: PREMUL_SUM scales a copy of the
-    input, never the caller's."""
-    if c.kind != PREMUL_KIND:
-        return c.input, c.inp
-    scaled = c.input.clone()
-    pre_reduce(scaled, c.op, c.kind)
-    return scaled, as_array(scaled)
 
 
 class MPIPath:
@@ -64,9 +50,7 @@ class MPIPath:
 
     @staticmethod
     def all_reduce(c):
-        tensor, arr, kind = c.tensor, c.arr, c.kind
-        if kind != SUM_KIND:                    # !=: torch hands out new enum objects
-            pre_reduce(tensor, c.op, kind)
+        arr = c.arr
         # The blocking MPI call, with or without async_op: MPI never matches a blocking
         # collective on one rank with a non-blocking one on another, and torch code mixes
         # them for one all_reduce (Join: the joined ranks' plain call against the others'
@@ -77,8 +61,6 @@ class MPIPath:
             if not _large.too_big(arr):
                 raise
             _large.allreduce_now(c.comm, arr, c.mop)
-        if kind != SUM_KIND:
-            post_reduce(tensor, kind, c.comm.size)
 
     @staticmethod
     def plan_all_reduce(c):         # a SUM (the op's memo); pieces are never planned
@@ -90,11 +72,8 @@ class MPIPath:
         # The blocking MPI call, with or without async_op, as all_reduce's: Open MPI's
         # Ireduce + wait took 1.5-4.7x Reduce's time from 64 KiB (docs/benchmarks.md,
         # "reduce on the blocking MPI call")
-        tensor, comm, mop, kind, dst = c.tensor, c.comm, c.mop, c.kind, c.root
+        arr, comm, mop, dst = c.arr, c.comm, c.mop, c.root
         root = comm.rank == dst
-        send = tensor.clone() if kind == PREMUL_KIND and not root else tensor
-        pre_reduce(send, c.op, kind)
-        arr = c.arr if send is tensor else as_array(send)
         try:
             if root:
                 comm.mpi.Reduce(IN_PLACE, arr, mop, root=dst)
@@ -104,15 +83,11 @@ class MPIPath:
             if not _large.too_big(arr):
                 raise
             MPI.Request.Waitall(_large.reduce(comm, arr, mop, dst))
-        if root:
-            post_reduce(tensor, kind, comm.size)
 
     @staticmethod
     def reduce_scatter_tensor(c):
-        input, inp = premultiplied(c)
-        req = c.comm.mpi.Ireduce_scatter_block(inp, c.arr, c.mop)
-        output, kind, size = c.tensor, c.kind, c.comm.size
-        return wait_or_work(c, [req], lambda: post_reduce(output, kind, size), keep=input)
+        req = c.comm.mpi.Ireduce_scatter_block(c.inp, c.arr, c.mop)
+        return wait_or_work(c, [req], keep=c.input)
 
     @staticmethod
     def reduce_scatter(c):
