@@ -1,7 +1,8 @@
 """scripts/journey.py (the functions and files a torch all_reduce enters, #31's count) runs
 under mpirun and reports what it counts: the first small call enters at most 5 files, none
 twice, and a repeated small call (the plan hit, from the third) far fewer of hpcddp's
-functions than the first; a 4 MiB call asks no path its group's rows left out."""
+functions than the first; a 4 MiB call asks no path its group's rows left out, and one the
+arena takes enters at most 5 files too."""
 from __future__ import annotations
 
 import os
@@ -13,15 +14,24 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_journey_counts_the_first_call_and_the_plan_hit():
+def _journey(**env):
+    """(what -> (stops, files, returns), what -> the path it ran on, the output) of
+    scripts/journey.py under mpirun -n 2, with ENV set on both ranks."""
     mpirun = os.path.join(sys.prefix, "bin", "mpirun")
+    pass_env = [a for k in env for a in ("-x", k)]
     res = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2",
-                          sys.executable, str(ROOT / "scripts" / "journey.py"), "-v"],
-                         capture_output=True, text=True, timeout=120)
+                          *pass_env, sys.executable, str(ROOT / "scripts" / "journey.py"), "-v"],
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, **env))
     assert res.returncode == 0, res.stdout + res.stderr
     got = {m[0]: (int(m[1]), int(m[2]), int(m[3])) for m in re.findall(
         r"^(.+?): (\d+) stops, (\d+) files, (\d+) returns", res.stdout, re.M)}
     ran = dict(re.findall(r"^(.+?): .* ran on (.+)$", res.stdout, re.M))
+    return got, ran, res
+
+
+def test_journey_counts_the_first_call_and_the_plan_hit():
+    got, ran, res = _journey()
     assert set(got) == {f"{s} all_reduce, {t}" for s in ("8 B", "4 MiB")
                         for t in ("first", "second", "third")}, res.stdout
     # 8 B always plans, on the second call (4 MiB may take the arena, whose calls are not
@@ -38,3 +48,14 @@ def test_journey_counts_the_first_call_and_the_plan_hit():
     if ran[what].endswith("mpi.py"):
         assert got[what][1] <= 5 and got[what][2] == 0, (what, got[what])
     assert "paths/hier.py" not in res.stdout and "paths/ring.py" not in res.stdout
+
+
+def test_an_arena_call_enters_five_files_none_twice():
+    """A 4 MiB all_reduce the shared-memory arena takes (forced: no race) enters at most five
+    files, none twice: the path's object and its mechanism are one module, its applies()
+    reads the group's arena from the group's rows, and the arena keeps its calls' hashes."""
+    got, ran, res = _journey(HPCDDP_SHM_ALLREDUCE="force")
+    for turn in ("first", "second", "third"):
+        what = f"4 MiB all_reduce, {turn}"
+        assert ran[what] == "collectives/paths/arena.py", (what, res.stdout)
+        assert got[what][1] <= 5 and got[what][2] == 0, (what, got[what], res.stdout)

@@ -1,4 +1,4 @@
-"""What hpcddp's node-local fast paths share: the /dev/shm arena (_shm) and cross-memory
+"""What hpcddp's node-local fast paths share: the /dev/shm arena (paths/arena.py) and cross-memory
 attach (_cma) are used only by groups whose ranks all share one node, each behind its own
 switch, and each only from the size where a race against MPI says it is faster, per op."""
 from __future__ import annotations
@@ -126,25 +126,27 @@ NEVER = 1 << 62               # a row's size on a group it can never serve
 _UNMADE = object()
 
 
-def group_floor(comm, key: str, race_op: str, min_bytes: int, min_size: int = 2) -> int:
-    """From which size the node-local path KEY (its state attached to COMM under KEY) can serve
-    the op its race RACE_OP measures on COMM, from what the group has already made and raced
-    (no message): MIN_BYTES while it has not, NEVER where it cannot (fewer than MIN_SIZE
-    ranks, no state for the group, or MPI won the race at every size)."""
+def group_floor(comm, key: str, race_op: str, min_bytes: int, min_size: int = 2) -> tuple:
+    """(from which size, the group's state) of the node-local path KEY (its state attached to
+    COMM under KEY) for the op its race RACE_OP measures on COMM, from what the group has
+    already made and raced (no message): the size is MIN_BYTES while it has not, NEVER where
+    it cannot serve (fewer than MIN_SIZE ranks, no state for the group, or MPI won the race
+    at every size); the state is the path's object for the group where it serves from that
+    size (made and raced, or forced), else None (the path's applies() makes and races it)."""
     if comm.size < min_size:
-        return NEVER
+        return NEVER, None
     made = comm._attached.get(key, _UNMADE)
     if made is _UNMADE:
-        return min_bytes
+        return min_bytes, None
     if made is None:
-        return NEVER
+        return NEVER, None
     starts = made.starts
     if starts.forced:
-        return max(min_bytes, starts.floor)
+        return max(min_bytes, starts.floor), made
     found = starts.found.get(race_op)
     if found is None:
-        return min_bytes
-    return NEVER if found.start is None else max(min_bytes, found.start)
+        return min_bytes, None
+    return (NEVER, None) if found.start is None else (max(min_bytes, found.start), made)
 
 
 def serves(path, op: str, nbytes: int) -> bool:

@@ -201,8 +201,8 @@ def take(route: tuple, call: Call):
             run, plan = route[4]                # below every middle row's start
             done = run(call)
         else:
-            for min_bytes, applies, run, plan, _ in rows[2]:
-                if nbytes >= min_bytes and (applies is None or applies(call)):
+            for min_bytes, applies, run, plan, made in rows[2]:
+                if nbytes >= min_bytes and (applies is None or applies(call, made)):
                     done = run(call)
                     break
         if scaled and red == _AVG:
@@ -320,15 +320,17 @@ def run_host(route: tuple, call: Call):
     rows = None if nbytes < route[3] else group_rows(route, comm)
     if rows is None or nbytes < rows[1]:
         return route[4][0](call)
-    for min_bytes, applies, run, _, _ in rows[2]:
-        if nbytes >= min_bytes and (applies is None or applies(call)):
+    for min_bytes, applies, run, _, made in rows[2]:
+        if nbytes >= min_bytes and (applies is None or applies(call, made)):
             return run(call)
 
 
 def group_rows(route: tuple, comm: Communicator) -> tuple:
     """ROUTE's host rows as they stand on COMM: (ROUTE, the smallest start of a middle row,
-    the rows), each row with its floor on the group as its size, the node-local paths that
-    can never serve it left out (hpcddp.collectives._node.group_floor). Kept in
+    the rows), each row with its floor on the group as its size and, last, the path's state
+    for the group where made and raced (what its applies() then need not look up; None
+    elsewhere), the node-local paths that can never serve it left out
+    (hpcddp.collectives._node.group_floor). Kept in
     ``comm.rows`` under the op's name (a string: its hash is cached) until the group's
     attached state changes (a path made, closed or raced); one lookup, as a race on another
     thread may forget them meanwhile."""
@@ -337,9 +339,9 @@ def group_rows(route: tuple, comm: Communicator) -> tuple:
         return got
     rows = []
     for row in route[5]:
-        at = row[0] if row[4] is None else row[4](comm)
+        at, made = (row[0], None) if row[4] is None else row[4](comm)
         if at < NEVER:
-            rows.append((at, *row[1:]))
+            rows.append((at, *row[1:4], made))
     floor = min((row[0] for row in rows[:-1]), default=NEVER)
     got = comm.rows[route[7]] = (route, floor, tuple(rows))
     return got

@@ -150,8 +150,8 @@ def mismatch_message(group: str, world_ranks, rows) -> str:
 # min(h) == h == max(h) on every rank, or every rank raises.
 # - The shared-memory arena (one node, SUM family, from 1 MiB) needs no message for it: each
 #   rank writes h into the arena before the arena's own first barrier and reads everyone's
-#   after it (hpcddp.collectives._shm). The CMA broadcast (one node, from 1 MiB) carries h in
-#   the address exchange it makes anyway (hpcddp.collectives._cma).
+#   after it (hpcddp.collectives.paths.arena). The CMA broadcast (one node, from 1 MiB)
+#   carries h in the address exchange it makes anyway (hpcddp.collectives._cma).
 # - Every other collective of at least AGREE_BYTES runs it before the op (agreed_start). An
 #   extra synchronisation before an op costs more than the message (ranks that ran apart
 #   wait for each other: docs/hangs.md has the figures), hence the threshold.

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 import hpcddp
 from hpcddp.comm import startup as _rt
-from hpcddp.collectives import _cma, _shm
+from hpcddp.collectives import _cma
+from hpcddp.collectives.paths import arena as _arena
 from hpcddp.diagnostics.mismatch import AGREE_BYTES, CollectiveMismatchError
 
 N = (16 << 20) // 4          # 16 MiB of float32
@@ -32,9 +33,9 @@ def world():
 @pytest.fixture(params=["arena", "mpi"])
 def path(request, monkeypatch):
     if request.param == "mpi":
-        monkeypatch.setattr(_shm, "MODE", "0")      # HPCDDP_SHM_ALLREDUCE=0
+        monkeypatch.setattr(_arena, "MODE", "0")      # HPCDDP_SHM_ALLREDUCE=0
     else:   # HPCDDP_SHM_ALLREDUCE=force, a fresh arena (the start-up race may pick MPI)
-        monkeypatch.setattr(_shm, "MODE", "force")
+        monkeypatch.setattr(_arena, "MODE", "force")
         monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     return request.param
 
@@ -105,7 +106,7 @@ def test_reduce_scatter_and_all_gather_into_tensor_counts(world, path):
 def test_arena_agrees_below_the_agreement_size(world, op, differs, monkeypatch):
     """From 1 MiB the arena compares the calls' hashes after its first barrier: 2 MiB against
     2 MiB - 4000 B, int32 against float32, AVG against SUM."""
-    monkeypatch.setattr(_shm, "MODE", "force")
+    monkeypatch.setattr(_arena, "MODE", "force")
     monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     n, c = dist.get_world_size(), (2 << 20) // 4
     dtype, red = torch.float32, dist.ReduceOp.SUM
@@ -116,13 +117,13 @@ def test_arena_agrees_below_the_agreement_size(world, op, differs, monkeypatch):
             dtype = torch.int32
         else:
             red = dist.ReduceOp.AVG
-    assert 4 * c < AGREE_BYTES and 4 * c >= _shm.MIN_BYTES
+    assert 4 * c < AGREE_BYTES and 4 * c >= _arena.MIN_BYTES
     needle = {"count": f"(count {(2 << 20) // 4 - 1000}, float32",
               "dtype": "int32", "reduce op": "op AVG"}[differs]
     if op == "all_reduce":
         t = torch.ones(c, dtype=dtype)
         expect_refused(lambda: dist.all_reduce(t, op=red), t, "all_reduce #", needle)
-        assert _shm.arena(hpcddp.world()) is not None, "the arena was not used"
+        assert _arena.arena(hpcddp.world()) is not None, "the arena was not used"
     else:
         out, inp = torch.zeros(c // n, dtype=dtype), torch.ones(c // n * n, dtype=dtype)
         if differs == "count":

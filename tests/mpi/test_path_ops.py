@@ -16,7 +16,8 @@ import torch
 
 import hpcddp
 from hpcddp import collectives as C
-from hpcddp.collectives import _cma, _hier, _ring, _shm, paths
+from hpcddp.collectives import _cma, _hier, _ring, paths
+from hpcddp.collectives.paths import arena as _arena
 
 MPI_SIZES = (2, 3, 4)
 MPI_ENV = {"HPCDDP_RANKS_PER_NODE": "2"}    # read by init: nodes of 2 ranks
@@ -53,7 +54,7 @@ def world():
 def forced(monkeypatch):
     """Every switch forced (no race: the path applies wherever the layout allows it), each
     test with the world's node-local state made afresh."""
-    for module in (_shm, _cma, _hier, _ring):
+    for module in (_arena, _cma, _hier, _ring):
         monkeypatch.setattr(module, "MODE", "force")
     for key in ("shm", "cma", "hier", "ring"):
         monkeypatch.delitem(hpcddp.world()._attached, key, raising=False)

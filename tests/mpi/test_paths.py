@@ -10,7 +10,8 @@ import torch
 import hpcddp
 from hpcddp.comm import startup as _rt
 from hpcddp import collectives as C
-from hpcddp.collectives import _cma, _lists, _node, _shm, paths
+from hpcddp.collectives import _cma, _lists, _node, paths
+from hpcddp.collectives.paths import arena as _arena
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +38,12 @@ def _state(world, op, path):
 
 @pytest.mark.parametrize("mode", ["force", "0"])
 def test_arena_row_is_the_path_all_reduce_takes(world, mode, monkeypatch):
-    monkeypatch.setattr(_shm, "MODE", mode)
+    monkeypatch.setattr(_arena, "MODE", mode)
     monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     state = _state(world, "all_reduce", "shm arena")
-    calls = _spy(monkeypatch, _shm.Arena, "all_reduce")
+    calls = _spy(monkeypatch, _arena.Arena, "all_reduce")
     n = world.size
-    for count in (2 * _shm.MIN_BYTES // 4, _shm.MIN_BYTES // 2 // 4):   # above, below MIN_BYTES
+    for count in (2 * _arena.MIN_BYTES // 4, _arena.MIN_BYTES // 2 // 4):   # above, below MIN_BYTES
         t = torch.full((count,), float(world.rank))
         C.all_reduce(t)
         assert torch.equal(t, torch.full_like(t, n * (n - 1) / 2))
@@ -106,16 +107,16 @@ def test_a_path_serves_each_op_from_the_size_its_race_found(world, monkeypatch):
     """The arena loses all_reduce below 2 MiB on rank 0 only: the slowest rank's time decides,
     so every rank hands those sizes to MPI; it wins reduce_scatter from the first size raced.
     Every rank takes the same path for the same call, and each op is raced once."""
-    monkeypatch.setattr(_shm, "MODE", "auto")
+    monkeypatch.setattr(_arena, "MODE", "auto")
     monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     slow_below = 2 << 20
 
     def times(op, nbytes, rank):
         lose = op == "all_reduce" and nbytes < slow_below and rank == 0
         return (2e-3 if lose else 1e-3), 1.5e-3
-    raced = _forced_race(monkeypatch, _shm.Arena, times)
-    calls = _spy(monkeypatch, _shm.Arena, "all_reduce")
-    rs_calls = _spy(monkeypatch, _shm.Arena, "reduce_scatter")
+    raced = _forced_race(monkeypatch, _arena.Arena, times)
+    calls = _spy(monkeypatch, _arena.Arena, "all_reduce")
+    rs_calls = _spy(monkeypatch, _arena.Arena, "reduce_scatter")
     n = world.size
     took = []
     for nbytes in (1 << 20, slow_below, 4 << 20, (1 << 20) - 4, slow_below - 4):
@@ -125,7 +126,7 @@ def test_a_path_serves_each_op_from_the_size_its_race_found(world, monkeypatch):
         assert torch.equal(t, torch.full_like(t, n * (n - 1) / 2))
         took.append(len(calls) > before)
     assert _same_on_every_rank(world, took) == [False, True, True, False, False]
-    out = torch.zeros(_shm.MIN_BYTES // 4)
+    out = torch.zeros(_arena.MIN_BYTES // 4)
     C.reduce_scatter_tensor(out, torch.ones(n * out.numel()))
     assert torch.equal(out, torch.full_like(out, n)) and len(rs_calls) == 1
     # up the ladder until the arena won at two sizes in a row
@@ -142,7 +143,7 @@ def test_a_path_serves_each_op_from_the_size_its_race_found(world, monkeypatch):
     from hpcddp.collectives.reduce import _ALL_REDUCE    # the module's, not the op's
     _, floor, rows = group_rows(_ALL_REDUCE, world)
     assert [row[0] for row in rows if row[2] is paths.ARENA.all_reduce] == [slow_below]
-    asked = _spy(monkeypatch, _shm, "usable")             # what the arena's applies asks
+    asked = _spy(monkeypatch, _arena, "usable")             # what the arena's applies asks
     C.all_reduce(torch.ones((1 << 20) // 4))
     C.all_reduce(torch.ones(slow_below // 4))
     assert asked == ["usable"] and floor <= slow_below

@@ -1,4 +1,4 @@
-"""The shared-memory all_reduce and reduce_scatter (hpcddp.collectives._shm): large tensors,
+"""The shared-memory all_reduce and reduce_scatter (hpcddp.collectives._arena): large tensors,
 ranks of one node.
 
 Every rank builds every rank's input itself, so the reference needs no message: the sum in
@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 import hpcddp
-from hpcddp.collectives import _shm
+from hpcddp.collectives.paths import arena as _arena
 from hpcddp.comm._mpi import MPI
 
 MPI_TIMEOUT = 300
 # The arena only where it is faster than MPI (a probe); these tests are about its results, and
 # 3-4 ranks oversubscribed on 2 cores would lose the race, so take it wherever possible.
-_shm.MODE = "force"
+_arena.MODE = "force"
 R = dist.ReduceOp
 pytestmark = pytest.mark.filterwarnings("ignore:.*(is|will be) deprecated:FutureWarning")
 
@@ -52,14 +52,14 @@ def elements(dtype, nbytes: int) -> int:
 
 def sizes(comm) -> list[int]:
     """Byte sizes: at the threshold, one chunk +- a little, several chunks and a ragged end."""
-    arena = _shm.arena(comm)
+    arena = _arena.arena(comm)
     chunk = comm.size * arena.slot * comm.size  # n slots per rank, in bytes over all ranks
-    return [_shm.MIN_BYTES, _shm.MIN_BYTES + 8 * 3, chunk - 16, chunk + 40, 3 * chunk + 1000]
+    return [_arena.MIN_BYTES, _arena.MIN_BYTES + 8 * 3, chunk - 16, chunk + 40, 3 * chunk + 1000]
 
 
 def reduced_and_expected(comm, dtype, seed: int):
     """An all_reduce of 2 x MIN_BYTES on COMM: (the result, the rank-order sum)."""
-    xs = inputs(dtype, elements(dtype, 2 * _shm.MIN_BYTES), comm.size, seed=seed)
+    xs = inputs(dtype, elements(dtype, 2 * _arena.MIN_BYTES), comm.size, seed=seed)
     t = xs[comm.rank].clone()
     hpcddp.all_reduce(t, group=comm)
     return t, in_rank_order(xs)
@@ -76,7 +76,7 @@ def assert_same_everywhere(comm, t: torch.Tensor) -> None:
                                    torch.complex64, torch.int64, torch.int8, torch.uint8])
 def test_sum_matches_rank_order_bitwise(world, dtype):
     n, r = world.size, world.rank
-    assert _shm.arena(world) is not None, "ranks of one machine should get an arena"
+    assert _arena.arena(world) is not None, "ranks of one machine should get an arena"
     for nbytes in sizes(world):
         numel = elements(dtype, nbytes)
         xs = inputs(dtype, numel, n, seed=numel)
@@ -90,7 +90,7 @@ def test_sum_matches_rank_order_bitwise(world, dtype):
 @pytest.mark.parametrize("api", ["dist", "direct"])
 def test_avg_premul_and_async(world, api):
     n, r = world.size, world.rank
-    numel = 7 * (elements(torch.float64, 3 * _shm.MIN_BYTES) // 7 + 1)  # a 7 x k tensor
+    numel = 7 * (elements(torch.float64, 3 * _arena.MIN_BYTES) // 7 + 1)  # a 7 x k tensor
     xs = inputs(torch.float64, numel, n, seed=1)
     ops = {"AVG": (R.AVG, in_rank_order(xs) / n),
            "PREMUL_SUM": (dist._make_nccl_premul_sum(2.0), in_rank_order([2.0 * x for x in xs]))}
@@ -108,8 +108,8 @@ def test_avg_premul_and_async(world, api):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
 def test_reduce_scatter_matches_rank_order_bitwise(world, form, dtype):
     n, r = world.size, world.rank
-    arena = _shm.arena(world)
-    for block_bytes in (_shm.MIN_BYTES // n + 8, arena.slot - 4, 2 * arena.slot + 12):
+    arena = _arena.arena(world)
+    for block_bytes in (_arena.MIN_BYTES // n + 8, arena.slot - 4, 2 * arena.slot + 12):
         c = elements(dtype, block_bytes)
         xs = inputs(dtype, n * c, n, seed=c)
         want = in_rank_order([x[r * c:(r + 1) * c] for x in xs])
@@ -123,7 +123,7 @@ def test_reduce_scatter_matches_rank_order_bitwise(world, form, dtype):
 
 def test_reduce_scatter_avg_premul_leave_input(world):
     n, r = world.size, world.rank
-    c = elements(torch.float64, _shm.MIN_BYTES)
+    c = elements(torch.float64, _arena.MIN_BYTES)
     xs = inputs(torch.float64, n * c, n, seed=9)
     for op, want in [(R.AVG, in_rank_order([x[r * c:(r + 1) * c] for x in xs]) / n),
                      (dist._make_nccl_premul_sum(2.0),
@@ -141,7 +141,7 @@ def test_subgroups_get_their_own_arena(world):
     n, r = world.size, world.rank
     members = list(range(0, n, 2)) if n > 2 else [0, 1]
     group = dist.new_group(members)
-    numel = elements(torch.float32, 2 * _shm.MIN_BYTES) + 3
+    numel = elements(torch.float32, 2 * _arena.MIN_BYTES) + 3
     xs = inputs(torch.float32, numel, n, seed=2)
     t = xs[r].clone()
     if r in members:
@@ -155,9 +155,9 @@ def test_subgroups_get_their_own_arena(world):
 def test_other_ops_and_small_sizes_stay_with_mpi(world):
     """MAX is not the arena's (MPI reduces it); below MIN_BYTES neither is SUM. Both right."""
     n, r = world.size, world.rank
-    for numel, op, ref in [(elements(torch.float32, 4 * _shm.MIN_BYTES), R.MAX,
+    for numel, op, ref in [(elements(torch.float32, 4 * _arena.MIN_BYTES), R.MAX,
                             lambda xs: torch.stack(xs).amax(0)),
-                           (elements(torch.float32, _shm.MIN_BYTES) - 1, R.SUM, in_rank_order)]:
+                           (elements(torch.float32, _arena.MIN_BYTES) - 1, R.SUM, in_rank_order)]:
         xs = inputs(torch.float32, numel, n, seed=3)
         t = xs[r].clone()
         hpcddp.all_reduce(t, op=op)
@@ -170,17 +170,17 @@ def test_a_rank_that_cannot_map_sends_everyone_to_mpi(world, monkeypatch):
     if comm.rank == comm.size - 1:
         def refuse(*a, **k):
             raise OSError(12, "Cannot allocate memory (test)")
-        monkeypatch.setattr(_shm.mmap, "mmap", refuse)
-    assert _shm.arena(comm) is None
+        monkeypatch.setattr(_arena.mmap, "mmap", refuse)
+    assert _arena.arena(comm) is None
     monkeypatch.undo()
     t, want = reduced_and_expected(comm, torch.float32, seed=4)
     assert torch.allclose(t, want, rtol=1e-6, atol=1e-6)
 
 
 def test_no_shm_dir_falls_back(world, monkeypatch):
-    monkeypatch.setattr(_shm, "SHM_DIR", "/nonexistent-hpcddp-test")
+    monkeypatch.setattr(_arena, "SHM_DIR", "/nonexistent-hpcddp-test")
     comm = hpcddp.Communicator(world.mpi.Dup(), "shm-no-dir")
-    assert _shm.arena(comm) is None
+    assert _arena.arena(comm) is None
     monkeypatch.undo()
     t, want = reduced_and_expected(comm, torch.int32, seed=5)
     assert torch.equal(t, want)
@@ -190,9 +190,9 @@ def test_arena_file_is_gone(world):
     """The /dev/shm name is unlinked once every rank has mapped it: nothing to clean up."""
     import glob
     import os
-    _shm.arena(world)
+    _arena.arena(world)
     world.mpi.Barrier()
-    mine = glob.glob(os.path.join(_shm.SHM_DIR, f"hpcddp-{os.getpid()}-*"))
+    mine = glob.glob(os.path.join(_arena.SHM_DIR, f"hpcddp-{os.getpid()}-*"))
     assert mine == []
     assert MPI.COMM_WORLD.allreduce(len(mine)) == 0
 
@@ -200,9 +200,9 @@ def test_arena_file_is_gone(world):
 def test_probe_decides_the_same_everywhere(world, monkeypatch):
     """Without "force" a new arena races MPI; whatever wins, every rank agrees and the result
     is right."""
-    monkeypatch.setattr(_shm, "MODE", "auto")
+    monkeypatch.setattr(_arena, "MODE", "auto")
     comm = hpcddp.Communicator(world.mpi.Dup(), "shm-probe")
-    a = _shm.arena(comm)
+    a = _arena.arena(comm)
     chose = comm.mpi.allgather(a is not None)
     assert len(set(chose)) == 1, f"ranks chose differently: {chose}"
     t, want = reduced_and_expected(comm, torch.float32, seed=6)
@@ -216,11 +216,11 @@ def test_no_room_leaves_no_file(world, monkeypatch):
 
     def full(fd, offset, length):
         raise OSError(28, "No space left on device (test)")
-    monkeypatch.setattr(_shm.os, "posix_fallocate", full)
+    monkeypatch.setattr(_arena.os, "posix_fallocate", full)
     comm = hpcddp.Communicator(world.mpi.Dup(), "shm-full")
-    assert _shm.arena(comm) is None
+    assert _arena.arena(comm) is None
     monkeypatch.undo()
-    assert glob.glob(os.path.join(_shm.SHM_DIR, f"hpcddp-{os.getpid()}-*")) == []
+    assert glob.glob(os.path.join(_arena.SHM_DIR, f"hpcddp-{os.getpid()}-*")) == []
     t, want = reduced_and_expected(comm, torch.float64, seed=7)
     assert torch.allclose(t, want, rtol=1e-12, atol=1e-12)  # MPI's order of the sum may differ
 
@@ -234,12 +234,12 @@ def test_arena_file_is_private_to_its_creator(world, monkeypatch):
     real_unlink = os.unlink
 
     def look_then_unlink(path, *a, **kw):
-        if str(path).startswith(os.path.join(_shm.SHM_DIR, "hpcddp-")):
+        if str(path).startswith(os.path.join(_arena.SHM_DIR, "hpcddp-")):
             seen.append(os.lstat(path))
         return real_unlink(path, *a, **kw)
-    monkeypatch.setattr(_shm.os, "unlink", look_then_unlink)
+    monkeypatch.setattr(_arena.os, "unlink", look_then_unlink)
     comm = hpcddp.Communicator(world.mpi.Dup(), "shm-private")
-    assert _shm.arena(comm) is not None
+    assert _arena.arena(comm) is not None
     monkeypatch.undo()
     if comm.rank == 0:
         assert len(seen) == 1, seen
@@ -254,8 +254,8 @@ def test_a_name_planted_in_shm_is_never_opened(world, monkeypatch, tmp_path_fact
     """O_CREAT | O_EXCL: a symlink (or file) someone left at the arena's name makes rank 0 give
     the arena up, so nothing is written through it; every rank uses MPI and gets the right sum."""
     import os
-    monkeypatch.setattr(_shm.secrets, "token_hex", lambda n: "planted0")
-    planted = os.path.join(_shm.SHM_DIR, f"hpcddp-{os.getpid()}-planted0")
+    monkeypatch.setattr(_arena.secrets, "token_hex", lambda n: "planted0")
+    planted = os.path.join(_arena.SHM_DIR, f"hpcddp-{os.getpid()}-planted0")
     target = None
     if world.rank == 0:
         target = tmp_path_factory.mktemp("shm-plant") / "victim"
@@ -263,7 +263,7 @@ def test_a_name_planted_in_shm_is_never_opened(world, monkeypatch, tmp_path_fact
         os.symlink(target, planted)
     try:
         comm = hpcddp.Communicator(world.mpi.Dup(), "shm-planted")
-        assert _shm.arena(comm) is None
+        assert _arena.arena(comm) is None
         monkeypatch.undo()
         if comm.rank == 0:
             assert target.read_bytes() == b"" and os.path.islink(planted)

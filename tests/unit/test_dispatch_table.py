@@ -110,7 +110,7 @@ def test_route_refuses_a_row_whose_path_does_not_serve_the_op(monkeypatch):
 
 def _fake_table(monkeypatch, asked):
     def applies(name, answer):
-        def f(call, op):
+        def f(call, made, op):
             asked.append(name)
             return answer
         return f

@@ -4,17 +4,16 @@ python docs/benchmarks/group-rows-ab/summarize.py
 
 The comm figures are computed as for the paths-objects A/B (its summarize.py, read from this
 folder); DDP has seven jobs a side here (one-node DDP varies by job)."""
-import importlib.util
 import json
 import os
 import statistics as st
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location(
-    "paths_objects_ab", os.path.join(HERE, os.pardir, "paths-objects-ab", "summarize.py"))
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
-_base.HERE = HERE           # its comm() and headline() read this folder's six comm jobs
+sys.path.insert(0, os.path.dirname(HERE))
+from ab_summary import of  # noqa: E402
+
+_base = of(HERE)            # its comm() and headline() read this folder's six comm jobs
 comm, headline = _base.comm, _base.headline
 
 

@@ -7,11 +7,13 @@ arena (:mod:`.arena`), cross-memory attach (:mod:`.cma`), the hierarchical path 
 the ring over TCP links (:mod:`.ring`), the list forms' point-to-point exchange (:mod:`.lists`)
 and the two device paths for CUDA tensors (:mod:`.device`). A path that serves a call from
 some size on has ``min_bytes`` (a compare, so small calls skip it without a function call)
-and ``applies(call, op)`` (what the group and the job decide: ranks on one node, a start-up
-race against MPI, a switch in docs/settings.md); the MPI path always applies. A node-local
-path also has ``floor(comm, op)``: from which size it can serve the op on a group, read from
-what the group has made and raced (no message), so take() keeps each group's rows without
-the paths that cannot serve it and skips the others below their start with a compare. A path that
+and ``applies(call, made, op)`` (what the group and the job decide: ranks on one node, a
+start-up race against MPI, a switch in docs/settings.md); the MPI path always applies. A
+node-local path also has ``floor(comm, op)``: from which size it can serve the op on a group,
+and its state for the group where made and raced (``made``, handed to applies so that it
+need not look it up), read from what the group has made and raced (no message), so take()
+keeps each group's rows without the paths that cannot serve it and skips the others below
+their start with a compare. A path that
 can replay an op has its planner, ``plan_<op>`` (take's memo calls it).
 
 An op (reduce.py, gather.py, alltoall.py, p2p.py) validates its arguments once into a
@@ -21,8 +23,9 @@ repeat. The plan-hit rows (``before_call``) run before validation, on the raw ar
 call planned before (hpcddp.collectives._plans); ``hpcddp info`` prints the whole table for
 the running job, each path open or closed and why (:func:`table`).
 
-Adding a path: one class (its ops as methods, ``OPS``, ``min_bytes``, ``applies``, ``state``)
-and its rows below. Adding an op: a row list here, a method on each path that serves it
+Adding a path: one class (its ops as methods, ``OPS``, ``min_bytes``, ``applies``, ``state``;
+its mechanism in the same module where it has no other user, as the arena's) and its rows
+below. Adding an op: a row list here, a method on each path that serves it
 (:func:`route` refuses at import a row whose path lacks the method).
 """
 from __future__ import annotations

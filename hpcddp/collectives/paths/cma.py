@@ -16,12 +16,12 @@ class CmaPath:
                                           {"broadcast": "broadcast"}))
 
     @staticmethod
-    def floor(comm, op: str) -> int:     # the group's row (call.group_rows)
+    def floor(comm, op: str) -> tuple:   # the group's row (call.group_rows)
         return _node.group_floor(comm, "cma", "broadcast", _cma.MIN_BYTES)
 
     @staticmethod
-    def applies(c, op: str) -> bool:
-        c.via = _cma.usable(c.comm, c.nbytes)       # the group's Peers
+    def applies(c, made, op: str) -> bool:
+        c.via = _cma.usable(c.comm, c.nbytes, made)     # the group's Peers
         return c.via is not None
 
     @staticmethod

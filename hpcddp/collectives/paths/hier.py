@@ -16,12 +16,12 @@ class HierPath:
         "one node, or nodes with different numbers of the group's ranks", _hier.RACED))
 
     @staticmethod
-    def floor(comm, op: str) -> int:     # the group's row (call.group_rows)
+    def floor(comm, op: str) -> tuple:   # the group's row (call.group_rows)
         return _node.group_floor(comm, "hier", _hier.RACED[op], _hier.MIN_BYTES, 4)
 
     @staticmethod
-    def applies(c, op: str) -> bool:     # pieces over MPI's count limit take the MPI row
-        c.via = None if _large.too_big(c.arr) else _hier.usable(c.comm, c.nbytes, op)
+    def applies(c, made, op: str) -> bool:   # pieces over MPI's count limit: the MPI row
+        c.via = None if _large.too_big(c.arr) else _hier.usable(c.comm, c.nbytes, op, made)
         return c.via is not None         # the group's Hier
 
     @staticmethod

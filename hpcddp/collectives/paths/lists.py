@@ -19,7 +19,7 @@ class ListsPath:
             f"closed ({comm.size} ranks; HPCDDP_LIST_P2P_MAX_RANKS={limit})"
 
     @staticmethod
-    def applies(c, op: str) -> bool:
+    def applies(c, made, op: str) -> bool:     # MADE: None (no state of its own to race)
         return _lists.use_p2p(c.comm, c.block) and (
             op != "reduce_scatter" or _lists.reduce_scatter_supported(c.kind, c.dtype))
 

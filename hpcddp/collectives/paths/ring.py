@@ -15,12 +15,13 @@ class RingPath:
                                           {"all_reduce": "all_reduce"}))
 
     @staticmethod
-    def floor(comm, op: str) -> int:     # the group's row (call.group_rows)
+    def floor(comm, op: str) -> tuple:   # the group's row (call.group_rows)
         return _node.group_floor(comm, "ring", "all_reduce", _ring.MIN_BYTES)
 
     @staticmethod
-    def applies(c, op: str) -> bool:    # pieces over MPI's count limit take the MPI row
-        c.via = None if _large.too_big(c.arr) else _ring.usable(c.comm, c.nbytes, c.arr, c.mop)
+    def applies(c, made, op: str) -> bool:   # pieces over MPI's count limit: the MPI row
+        c.via = None if _large.too_big(c.arr) else _ring.usable(c.comm, c.nbytes, c.arr, c.mop,
+                                                                made)
         return c.via is not None        # the group's Ring
 
     @staticmethod
