@@ -595,6 +595,28 @@ def test_arena_module_ab_figures_are_the_runs():
     assert all(1500 < us < 1800 for us in arena), arena
 
 
+def test_rst_plan_ab_table_is_the_runs():
+    """docs/benchmarks.md ("The reduce_scatter_tensor plan hit") quotes the A/B saved in
+    docs/benchmarks/rst-plan-ab/: each job-median ratio of its table, and the arena's times."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "ab_summary", os.path.join(DOCS, "benchmarks", "ab_summary.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ab = mod.of(os.path.join(DOCS, "benchmarks", "rst-plan-ab"))
+    page = open(os.path.join(DOCS, "benchmarks.md")).read()
+    section = page.split("**The reduce_scatter_tensor plan hit.**", 1)[1].split("\n## ", 1)[0]
+    for version in ("old", "new"):
+        got = ab.comm(version)
+        for label, key in (("direct", "dratio"), ("`dist.reduce_scatter_tensor`", "ratio")):
+            cells = [got["reduce_scatter_tensor", size, key] for size in (8, 1024, 65536)]
+            row = " | ".join(f"{x:.2f}" if version == "old" else f"**{x:.2f}**"
+                             if label == "direct" else f"{x:.2f}" for x in cells)
+            assert f"| {label}, {version} | {row} |" in section, (label, version, row)
+    arena = [ab.comm(v)["reduce_scatter_tensor", 1 << 20, "direct"] for v in ("old", "new")]
+    assert all(48 <= us <= 52 for us in arena), arena
+
+
 def test_group_rows_ab_figures_are_the_runs():
     """docs/benchmarks.md ("The dispatch table", each group's own rows) quotes the A/B saved in
     docs/benchmarks/group-rows-ab/: new/old of the six comm jobs and the 14 DDP jobs."""

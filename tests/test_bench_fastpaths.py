@@ -276,6 +276,32 @@ SCRIPT = textwrap.dedent(r'''
     else:
         raise AssertionError("all_gather_into_tensor took a wrong-sized input")
 
+    RST = _plans.REDUCE_SCATTER_TENSOR
+    for dtype in (torch.float32, torch.int64, torch.bfloat16):
+        src = (torch.arange(4 * n) % 7 + 3 * r).to(dtype)
+        dst = torch.zeros(4, dtype=dtype)
+        want = torch.empty(4, dtype=dtype)
+        dist.reduce_scatter_tensor(want, src.clone(), group=G)      # gloo's answer
+        for i in range(3):                   # planned on the second call, hit from the third
+            dst.zero_(); hpcddp.reduce_scatter_tensor(dst, src)
+            same(dst, want, f"reduce_scatter_tensor {dtype} #{i}")
+        assert id(dst) in _plans.xplans[RST], f"no reduce_scatter_tensor plan for {dtype}"
+        dst.zero_(); assert hit(RST, (dst, src)), f"planned reduce_scatter_tensor {dtype} missed"
+        same(dst, want, f"reduce_scatter_tensor hit {dtype}")
+        dst.zero_(); dist.reduce_scatter_tensor(dst, src)
+        same(dst, want, f"dist.reduce_scatter_tensor {dtype} after the plan")
+    dst.zero_(); hpcddp.reduce_scatter_tensor(dst, src, op=dist.ReduceOp.MAX)   # not a SUM: no
+    mx = torch.empty_like(dst); dist.reduce_scatter_tensor(mx, src.clone(), op=dist.ReduceOp.MAX, group=G)
+    same(dst, mx, "reduce_scatter_tensor MAX after a SUM plan")
+    f32 = (torch.arange(4 * n) + r).float(); o32 = torch.zeros(4)
+    for i in range(3):
+        hpcddp.reduce_scatter_tensor(o32, f32)
+    o32.data = o32.view(torch.int32)          # same memory and size, another dtype: no hit
+    f32.data = f32.view(torch.int32)
+    assert not hit(RST, (o32, f32)), "a reduce_scatter_tensor plan hit on another dtype"
+    w = hpcddp.reduce_scatter_tensor(dst, src, async_op=True); w.wait()
+    same(dst, want, "reduce_scatter_tensor async after a plan")
+
     t = torch.full((3,), float(r))
     lst = [torch.zeros(3) for _ in range(n)]
     want = [torch.full((3,), float(j)) for j in range(n)]

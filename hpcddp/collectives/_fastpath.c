@@ -54,7 +54,8 @@ static PyObject *s_op, *s_broadcast, *s_data_ptr, *s_numel, *s_is_contiguous, *s
 
 /* a plan's program (_plans: ALLTOALLV...; NO_PROGRAM: only the Python hit runs it) and the
    ops p2p() runs (_plans: ISEND...) */
-enum { NO_PROGRAM = -1, ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, BROADCAST, ALLGATHER };
+enum { NO_PROGRAM = -1, ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, BROADCAST, ALLGATHER,
+       REDUCE_SCATTER };
 enum { ISEND, IRECV, SEND, RECV };
 
 /* -- Plan: the one plan type -----------------------------------------------------------------
@@ -63,8 +64,9 @@ enum { ISEND, IRECV, SEND, RECV };
  * its Communicator and that one's mpi4py communicator, what the flight recorder writes, and
  * the program: (ALLREDUCE, comm, datatype, op), (ALLTOALLV, comm, datatype, int32 table, tag),
  * (SENDRECV, comm, datatype, int64 table, tag), (POINT_TO_POINT, comm, datatype, count, MPI
- * peer), (BROADCAST, comm, datatype, root) or (ALLGATHER, comm, datatype, count: each rank's
- * block), the handles as mpi4py's MPI._handleof ints; None where C cannot run it. */
+ * peer), (BROADCAST, comm, datatype, root), (ALLGATHER, comm, datatype, count: each rank's
+ * block) or (REDUCE_SCATTER, comm, datatype, count: each rank's block, op), the handles as
+ * mpi4py's MPI._handleof ints; None where C cannot run it. */
 typedef struct {
     PyObject_HEAD
     PyObject *refs, *ptrs, *numels;       /* tuples, one item per tensor of the call */
@@ -148,10 +150,14 @@ static int unpack_program(Plan *p) {
         return -1;
     switch (code) {
     case ALLGATHER:
-        if (PyTuple_GET_SIZE(prog) != 4 || n != 2)
+    case REDUCE_SCATTER:
+        if (PyTuple_GET_SIZE(prog) != (code == ALLGATHER ? 4 : 5) || n != 2)
             return refuse_program("of an all_gather_into_tensor is (ALLGATHER, comm, datatype, "
-                                  "count) on (output, input)");
-        count = PyLong_AsLongLong(PyTuple_GET_ITEM(prog, 3));
+                                  "count) and of a reduce_scatter_tensor (REDUCE_SCATTER, comm, "
+                                  "datatype, count, op), on (output, input)");
+        count = PyLong_AsLongLong(PyTuple_GET_ITEM(prog, 3));   /* each rank's block */
+        if (code == REDUCE_SCATTER)
+            p->hop = (MPI_Op)(intptr_t)handle_at(prog, 4);
         if (PyErr_Occurred())
             return -1;
         if (count < 0 || count > INT_MAX)
@@ -198,7 +204,7 @@ static int unpack_program(Plan *p) {
         break;
     default:
         return refuse_program("code is not ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, "
-                              "BROADCAST or ALLGATHER");
+                              "BROADCAST, ALLGATHER or REDUCE_SCATTER");
     }
     p->code = (int)code;
     return 0;
@@ -521,12 +527,16 @@ static PyObject *run_xplan(PyObject *plan, PyObject *tensors, PyObject *group) {
     Plan *p = (Plan *)plan;
     Py_ssize_t n = PyTuple_GET_SIZE(tensors);
     if (!Py_IS_TYPE(plan, &PlanType)
-            || (p->code != ALLTOALLV && p->code != SENDRECV && p->code != ALLGATHER)
+            || (p->code != ALLTOALLV && p->code != SENDRECV && p->code != ALLGATHER
+                && p->code != REDUCE_SCATTER)
             || PyTuple_GET_SIZE(p->refs) != n)
         Py_RETURN_FALSE;
     int eq = group_holds(p, group);
-    for (Py_ssize_t i = 0; eq == 1 && i < n; i++)
+    for (Py_ssize_t i = 0; eq == 1 && i < n; i++) {
         eq = tensor_i_holds(p, i, PyTuple_GET_ITEM(tensors, i));
+        if (eq == 1 && p->code == REDUCE_SCATTER)     /* a reduction adds in its dtype */
+            eq = same_dtype(PyTuple_GET_ITEM(tensors, i), p->dtype);
+    }
     if (eq < 0)
         return NULL;
     if (eq == 0)
@@ -545,6 +555,13 @@ static PyObject *run_xplan(PyObject *plan, PyObject *tensors, PyObject *group) {
         MPI_Request req;
         rc = MPI_Ialltoallv(p->in, c, c + rows, p->htype, p->buf, c + 2 * rows, c + 3 * rows,
                             p->htype, p->hcomm, &req);
+        if (rc == MPI_SUCCESS)
+            rc = MPI_Wait(&req, MPI_STATUS_IGNORE);
+    } else if (p->code == REDUCE_SCATTER) {
+        /* nonblocking, then wait, as the Python path's (a peer's call may be async_op=True) */
+        MPI_Request req;
+        rc = MPI_Ireduce_scatter_block(p->in, p->buf, p->count, p->htype, p->hop, p->hcomm,
+                                       &req);
         if (rc == MPI_SUCCESS)
             rc = MPI_Wait(&req, MPI_STATUS_IGNORE);
     } else if (p->code == ALLGATHER) {

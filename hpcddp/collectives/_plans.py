@@ -50,7 +50,8 @@ ENV_MODE = "HPCDDP_FASTPATH"
 # and holds a weak reference to it (refs[0]): that tensor's death drops the plan, and a new
 # id() reusing the key finds the reference dead or another object, so the hit refuses it. A
 # full table is cleared: the plans come back on the next calls.
-ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, BROADCAST, ALLGATHER = range(6)  # _fastpath.c
+ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, BROADCAST, ALLGATHER, REDUCE_SCATTER = \
+    range(7)  # _fastpath.c
 
 
 class PyPlan:
@@ -168,10 +169,11 @@ def bhit_py(tensor, root, group) -> bool:
 # `python -m hpcddp.bench.dispatch`, docs/benchmarks.md). A plan keeps, per call, what those
 # checks found; a hit verifies every tensor is the same object with the same memory, element
 # count and contiguity, on the same live communicator, then records the op and runs it.
-A2A_SINGLE, ALL_GATHER, ALL_TO_ALL, ALL_GATHER_TENSOR = range(4)
+A2A_SINGLE, ALL_GATHER, ALL_TO_ALL, ALL_GATHER_TENSOR, REDUCE_SCATTER_TENSOR = range(5)
 PLANNED_OPS = ("all_reduce", "broadcast", "all_to_all_single", "all_gather",
-               "all_to_all", "all_gather_into_tensor")   # + send/recv (C)
-xplans: tuple = ({}, {}, {}, {})   # per kind: id(first tensor of the call) -> plan
+               "all_to_all", "all_gather_into_tensor",
+               "reduce_scatter_tensor")   # + send/recv (C)
+xplans: tuple = ({}, {}, {}, {}, {})   # per kind: id(first tensor of the call) -> plan
 # an exchange plan's program (what the C hit runs; None: only the Python hit runs the plan):
 #   (ALLTOALLV, comm, datatype, int32 [send counts, send displs, recv counts, recv displs],
 #       0): MPI_Ialltoallv + MPI_Wait from the call's tensor 1 into its tensor 0
@@ -180,6 +182,9 @@ xplans: tuple = ({}, {}, {}, {})   # per kind: id(first tensor of the call) -> p
 #       MPI_Sendrecv steps with the tag (hpcddp.collectives._lists._exchange)
 #   (ALLGATHER, comm, datatype, count): MPI_Allgather of COUNT elements from the call's tensor 1
 #       into its tensor 0 (all_gather_into_tensor)
+#   (REDUCE_SCATTER, comm, datatype, count, op): MPI_Ireduce_scatter_block + MPI_Wait of
+#       COUNT elements per rank from the call's tensor 1 into its tensor 0 (a SUM
+#       reduce_scatter_tensor; its hit also checks every tensor's dtype: a reduction adds in it)
 
 
 def make_xplan(kind: int, tensors: tuple, group, comm, op: str, shape, dtype, run,
@@ -201,7 +206,8 @@ def xhit_py(kind: int, tensors: tuple, group) -> bool:
         return False
     for t, ref, ptr, numel in zip(tensors, plan.refs, plan.ptrs, plan.numels):
         if ref() is not t or t.data_ptr() != ptr or t.numel() != numel \
-                or not t.is_contiguous():
+                or not t.is_contiguous() \
+                or kind == REDUCE_SCATTER_TENSOR and t.dtype is not plan.dtype:
             return False
     entry = record(plan.comm, plan.op, plan.shape, plan.dtype)
     plan.run()

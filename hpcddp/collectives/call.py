@@ -277,18 +277,19 @@ def premul_factor(op):
 def premultiply(method: str, call: Call) -> None:
     """A PREMUL_SUM's inputs times its factor (NCCL's definition), so the path runs a SUM: in
     place where the op's input is its result (all_reduce; reduce on the root), else on copies
-    the call then sends (the caller's inputs are left as they were)."""
+    the call then sends (the caller's inputs are left as they were). In place, in the tensor's
+    dtype: a factor tensor of another dtype must not promote what MPI is told it sends."""
     factor = premul_factor(call.op)
     if method == "all_reduce" or method == "reduce" and call.comm.rank == call.root:
         call.tensor.mul_(factor)
     elif method == "reduce":
-        call.tensor = call.tensor * factor
+        call.tensor = call.tensor.clone().mul_(factor)
         call.arr = as_array(call.tensor)
     elif method == "reduce_scatter_tensor":
-        call.input = call.input * factor
+        call.input = call.input.clone().mul_(factor)
         call.inp = as_array(call.input)
     else:                                   # reduce_scatter: one block per rank
-        call.tensors = [t * factor for t in call.tensors]
+        call.tensors = [t.clone().mul_(factor) for t in call.tensors]
 
 
 def average(call: Call, done) -> None:
@@ -337,12 +338,15 @@ def group_rows(route: tuple, comm: Communicator) -> tuple:
     got = comm.rows.get(route[7])
     if got is not None and got[0] is route:
         return got
+    state = comm._attached
     rows = []
     for row in route[5]:
         at, made = (row[0], None) if row[4] is None else row[4](comm)
         if at < NEVER:
             rows.append((at, *row[1:4], made))
     floor = min((row[0] for row in rows[:-1]), default=NEVER)
-    got = comm.rows[route[7]] = (route, floor, tuple(rows))
+    got = (route, floor, tuple(rows))
+    if comm._attached is state:     # not released meanwhile (by another thread): keep them
+        comm.rows[route[7]] = got
     return got
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from hpcddp.collectives import _large
 from hpcddp.collectives import engine as _engine
 from hpcddp.collectives._common import CompletedWork, as_array, check_list, same_spec
-from hpcddp.collectives._plans import hit as _plan_hit
+from hpcddp.collectives._plans import REDUCE_SCATTER_TENSOR, hit as _plan_hit, xhit as _xhit
 from hpcddp.collectives.call import Call, reduce_op, resolve, take
 from hpcddp.collectives.paths import route
 from hpcddp.comm.buffers import DeviceTensor
@@ -86,6 +86,10 @@ def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
     input: n * output.numel() elements on every rank. Rank r holds op over ranks of input's
     r-th block in OUTPUT after.
     """
+    # the plan-hit row: the same blocking SUM on the same tensors again (collectives._plans)
+    if not async_op and (op is SUM or op == SUM) and not _engine.pending \
+            and _xhit(REDUCE_SCATTER_TENSOR, (output, input), group):
+        return None
     fn = "reduce_scatter_tensor"
     call = _reduction(fn, output, op, group, async_op, "output")
     call.input = input
@@ -106,6 +110,8 @@ def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
         if _large.too_big(inp):
             _large.refuse(fn, "input", input.numel())
         call.nbytes = inp.nbytes            # the paths' thresholds are on the whole input
+        if not async_op and call.kind == SUM_KIND:
+            call.memo = (output, input)     # planned on its second call in a row
     call.name = "reduce_scatter"
     return take(_REDUCE_SCATTER_TENSOR, call)
 

@@ -607,6 +607,28 @@ def test_premul_sum_tensor_factor(world):
     assert torch.equal(t, torch.full((4,), 0.5 * n, dtype=torch.float64))
 
 
+def test_premul_sum_factor_of_another_dtype_keeps_the_tensors_dtype(world):
+    """A factor tensor of another dtype (float64, one element: it takes part in type promotion)
+    scales float32 tensors in float32, on every reduction: the copies the non-in-place ones
+    send keep the dtype MPI is told."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    op = dist._make_nccl_premul_sum(torch.tensor([0.5], dtype=torch.float64))
+    x = torch.arange(4.0 * n) + r
+    want = sum(torch.arange(4.0 * n) + q for q in range(n)) * 0.5
+    out = torch.zeros(4)
+    dist.reduce_scatter_tensor(out, x.clone(), op=op)
+    assert torch.equal(out, want[4 * r:4 * (r + 1)]), (out, want)
+    out.zero_()
+    dist.reduce_scatter(out, list(x.clone().chunk(n)), op=op)
+    assert torch.equal(out, want[4 * r:4 * (r + 1)]), (out, want)
+    t = x.clone()
+    dist.reduce(t, 0, op=op)
+    assert torch.equal(t, want if r == 0 else x), (t, want)
+    t = x.clone()
+    dist.all_reduce(t, op=op)
+    assert torch.equal(t, want) and t.dtype == torch.float32, (t, want)
+
+
 def test_direct_and_torch_apis_share_the_world(world):
     """The direct API with group=None and the default torch group are the same ranks."""
     r = dist.get_rank()

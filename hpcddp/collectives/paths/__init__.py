@@ -121,7 +121,8 @@ PATHS: dict[str, tuple[Path, ...]] = {
                        Path("point-to-point", "the list form, SUM/AVG/PREMUL_SUM, non-bool",
                             LISTS),
                        _mpi("Reduce_scatter_block", pieces=False)),
-    "reduce_scatter_tensor": (*DEVICE, ARENA_ROW, HIER_ROW,
+    "reduce_scatter_tensor": (_hit(f"SUM of the tensors of the two calls before, blocking, "
+                                   f"{BELOW}"), *DEVICE, ARENA_ROW, HIER_ROW,
                               _mpi("Reduce_scatter_block", pieces=False)),
     "all_gather": (PLAN, *DEVICE, LISTS_ROW, _mpi("Allgather")),
     "all_gather_into_tensor": (PLAN, *DEVICE, HIER_ROW, _mpi("Allgather")),

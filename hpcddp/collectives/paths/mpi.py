@@ -20,9 +20,10 @@ import torch
 from hpcddp.collectives import _large, _plans
 from hpcddp.collectives._common import (IN_PLACE, as_array, finish_or_work, record_end,
                                         record_p2p, wait_or_work)
-from hpcddp.collectives._plans import ALL_GATHER_TENSOR
+from hpcddp.collectives._plans import ALL_GATHER_TENSOR, REDUCE_SCATTER_TENSOR
 from hpcddp.collectives.work import RecvWork, check_count, truncation
 from hpcddp.comm._mpi import MPI
+from hpcddp.diagnostics.mismatch import AGREE_BYTES
 
 def scatter_copy(flat: torch.Tensor, outputs) -> None:
     """FLAT's consecutive blocks into the tensors OUTPUTS."""
@@ -88,6 +89,17 @@ class MPIPath:
     def reduce_scatter_tensor(c):
         req = c.comm.mpi.Ireduce_scatter_block(c.inp, c.arr, c.mop)
         return wait_or_work(c, [req], keep=c.input)
+
+    @staticmethod
+    def plan_reduce_scatter_tensor(c):      # a blocking SUM (the op's memo)
+        if c.nbytes < AGREE_BYTES and c.arr.size:   # larger: the full path agrees on it
+            mpi, inp, out, mop = c.comm.mpi, c.inp, c.arr, c.mop
+            datatype = _plans.datatype_handle(out)
+            prog = None if datatype is None else (_plans.REDUCE_SCATTER, MPI._handleof(mpi),
+                                                  datatype, out.size, MPI._handleof(mop))
+            _plans.make_xplan(REDUCE_SCATTER_TENSOR, (c.tensor, c.input), c.group, c.comm,
+                              "reduce_scatter", c.shape, c.dtype,
+                              lambda: mpi.Ireduce_scatter_block(inp, out, mop).Wait(), prog)
 
     @staticmethod
     def reduce_scatter(c):
