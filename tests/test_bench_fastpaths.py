@@ -247,19 +247,23 @@ SCRIPT = textwrap.dedent(r'''
     else:
         raise AssertionError("all_to_all_single wrote a strided tensor")
 
+    def planned(kind, name, dst, src, want):
+        """NAME(dst, src) (hpcddp.NAME, then dist.NAME) planned on the second call in a row
+        and hit from the third, each time with WANT in DST."""
+        for i in range(3):
+            dst.zero_(); getattr(hpcddp, name)(dst, src); same(dst, want, f"{name} {dst.dtype} #{i}")
+        assert id(dst) in _plans.xplans[kind], f"no {name} plan for {dst.dtype}"
+        dst.zero_(); assert hit(kind, (dst, src)), f"planned {name} {dst.dtype} missed"
+        same(dst, want, f"{name} hit {dst.dtype}")
+        dst.zero_(); getattr(dist, name)(dst, src)
+        same(dst, want, f"dist.{name} {dst.dtype} after the plan")
+
     AGT = _plans.ALL_GATHER_TENSOR
     for dtype in (torch.float32, torch.int64, torch.bfloat16):
         src = (torch.arange(5) + 10 * r).to(dtype)
         dst = torch.zeros(5 * n, dtype=dtype)
         want = torch.cat([(torch.arange(5) + 10 * j).to(dtype) for j in range(n)])
-        for i in range(3):                   # planned on the second call, hit from the third
-            dst.zero_(); hpcddp.all_gather_into_tensor(dst, src)
-            same(dst, want, f"all_gather_into_tensor {dtype} #{i}")
-        assert id(dst) in _plans.xplans[AGT], f"no all_gather_into_tensor plan for {dtype}"
-        dst.zero_(); assert hit(AGT, (dst, src)), f"planned all_gather_into_tensor {dtype} missed"
-        same(dst, want, f"all_gather_into_tensor hit {dtype}")
-        dst.zero_(); dist.all_gather_into_tensor(dst, src)
-        same(dst, want, f"dist.all_gather_into_tensor {dtype} after the plan")
+        planned(AGT, "all_gather_into_tensor", dst, src, want)
     src.add_(1); want = want + 1             # new values, same tensors: the plan still holds
     dst.zero_(); hpcddp.all_gather_into_tensor(dst, src); same(dst, want, "agt new values")
     dst2 = torch.zeros(5 * n, dtype=src.dtype)   # another output: no hit, right answer
@@ -282,14 +286,7 @@ SCRIPT = textwrap.dedent(r'''
         dst = torch.zeros(4, dtype=dtype)
         want = torch.empty(4, dtype=dtype)
         dist.reduce_scatter_tensor(want, src.clone(), group=G)      # gloo's answer
-        for i in range(3):                   # planned on the second call, hit from the third
-            dst.zero_(); hpcddp.reduce_scatter_tensor(dst, src)
-            same(dst, want, f"reduce_scatter_tensor {dtype} #{i}")
-        assert id(dst) in _plans.xplans[RST], f"no reduce_scatter_tensor plan for {dtype}"
-        dst.zero_(); assert hit(RST, (dst, src)), f"planned reduce_scatter_tensor {dtype} missed"
-        same(dst, want, f"reduce_scatter_tensor hit {dtype}")
-        dst.zero_(); dist.reduce_scatter_tensor(dst, src)
-        same(dst, want, f"dist.reduce_scatter_tensor {dtype} after the plan")
+        planned(RST, "reduce_scatter_tensor", dst, src, want)
     dst.zero_(); hpcddp.reduce_scatter_tensor(dst, src, op=dist.ReduceOp.MAX)   # not a SUM: no
     mx = torch.empty_like(dst); dist.reduce_scatter_tensor(mx, src.clone(), op=dist.ReduceOp.MAX, group=G)
     same(dst, mx, "reduce_scatter_tensor MAX after a SUM plan")
