@@ -251,7 +251,8 @@ SCRIPT = textwrap.dedent(r'''
         """NAME(dst, src) (hpcddp.NAME, then dist.NAME) planned on the second call in a row
         and hit from the third, each time with WANT in DST."""
         for i in range(3):
-            dst.zero_(); getattr(hpcddp, name)(dst, src); same(dst, want, f"{name} {dst.dtype} #{i}")
+            dst.zero_(); getattr(hpcddp, name)(dst, src)
+            same(dst, want, f"{name} {dst.dtype} #{i}")
         assert id(dst) in _plans.xplans[kind], f"no {name} plan for {dst.dtype}"
         dst.zero_(); assert hit(kind, (dst, src)), f"planned {name} {dst.dtype} missed"
         same(dst, want, f"{name} hit {dst.dtype}")
@@ -288,7 +289,8 @@ SCRIPT = textwrap.dedent(r'''
         dist.reduce_scatter_tensor(want, src.clone(), group=G)      # gloo's answer
         planned(RST, "reduce_scatter_tensor", dst, src, want)
     dst.zero_(); hpcddp.reduce_scatter_tensor(dst, src, op=dist.ReduceOp.MAX)   # not a SUM: no
-    mx = torch.empty_like(dst); dist.reduce_scatter_tensor(mx, src.clone(), op=dist.ReduceOp.MAX, group=G)
+    mx = torch.empty_like(dst)
+    dist.reduce_scatter_tensor(mx, src.clone(), op=dist.ReduceOp.MAX, group=G)
     same(dst, mx, "reduce_scatter_tensor MAX after a SUM plan")
     f32 = (torch.arange(4 * n) + r).float(); o32 = torch.zeros(4)
     for i in range(3):

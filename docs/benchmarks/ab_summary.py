@@ -6,6 +6,7 @@ mpi4py's, old and new, and the headline new/old, as docs/benchmarks.md quotes th
 
 The figures are computed as for the first such A/B (paths-objects-ab/summarize.py)."""
 import importlib.util
+import json
 import os
 import sys
 
@@ -21,6 +22,18 @@ def of(folder: str):
     spec.loader.exec_module(ab)
     ab.HERE = os.path.abspath(folder)
     return ab
+
+
+def jobs(folder: str, op: str, nbytes: int, impl: str) -> list:
+    """Each job's median time (us) of IMPL for OP at NBYTES, old jobs then new."""
+    out = []
+    for version in ("old", "new"):
+        for i in (1, 2, 3):
+            with open(os.path.join(folder, f"comm-{version}-{i}.json")) as f:
+                cells = json.load(f)["cells"]
+            out += [c["stats"][impl]["median_us"] for c in cells
+                    if c["op"] == op and c["bytes"] == nbytes]
+    return out
 
 
 def main(folder: str) -> None:

@@ -93,9 +93,9 @@ def copy(fn, pid: int, local: int, remote: int, nbytes: int) -> bool:
 def usable(comm, nbytes: int, made=None):
     """COMM's Peers where a broadcast of NBYTES (at least MIN_BYTES: the dispatch table's row
     tested it) should take this path, else None (the same answer on every rank: a
-    collective's arguments agree across ranks). MADE: the group's Peers where its row already knows it serves from the row's size
-    (made and raced: call.group_rows), else None (made and raced here, on the op's first
-    call)."""
+    collective's arguments agree across ranks). MADE: the group's Peers where its row
+    already knows it serves from the row's size (made and raced: call.group_rows), else
+    None (made and raced here, on the op's first call)."""
     if MODE == "0" or comm.size < 2:
         return None
     if made is not None:

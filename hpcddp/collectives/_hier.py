@@ -56,9 +56,9 @@ MODE = settings.get().hier
 def usable(comm, nbytes: int, op: str = "all_reduce", made=None):
     """COMM's node layout where OP (a key of RACED) of NBYTES (at least MIN_BYTES: the
     dispatch table's row tested it) should take this path, else None (the same answer on
-    every rank of COMM). MADE: the group's Hier where its row already knows it serves from the row's size
-    (made and raced: call.group_rows), else None (made and raced here, on the op's first
-    call)."""
+    every rank of COMM). MADE: the group's Hier where its row already knows it serves from
+    the row's size (made and raced: call.group_rows), else None (made and raced here, on the
+    op's first call)."""
     if MODE == "0" or comm.size < 4:
         return None
     if made is not None:

@@ -180,8 +180,8 @@ def reduce_scatter_supported(kind, dtype) -> bool:
 
 
 def reduce_scatter(call):
-    """reduce_scatter CALL (a SUM: take() scales around it): rank r receives every peer's input_list[r] into
-    scratch and adds it to its own block, zero-copy from the inputs.
+    """reduce_scatter CALL (a SUM: take() scales around it): rank r receives every peer's
+    input_list[r] into scratch and adds it to its own block, zero-copy from the inputs.
 
     The sum runs in rank order (x_0 + x_1 + ... as MPI's reduction does for few ranks)."""
     output, input_list, comm = call.tensor, call.tensors, call.comm

@@ -47,9 +47,9 @@ def usable(comm, nbytes: int, arr, mop, made=None):
     """COMM's ring where an all_reduce of ARR (NBYTES, at least MIN_BYTES: the dispatch
     table's row tested it) with MPI op MOP should take it, else None (the same answer on
     every rank of COMM: the call's arguments agree, and the group's layout is found
-    collectively on first use). MADE: the group's Ring where its row already knows it serves from the row's size
-    (made and raced: call.group_rows), else None (made and raced here, on the op's first
-    call)."""
+    collectively on first use). MADE: the group's Ring where its row already knows it
+    serves from the row's size (made and raced: call.group_rows), else None (made and raced
+    here, on the op's first call)."""
     if MODE == "0" or comm.size < 2 or mop != MPI.SUM or arr.dtype not in ADDABLE:
         return None
     if made is not None:

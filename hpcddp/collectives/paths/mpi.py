@@ -25,6 +25,7 @@ from hpcddp.collectives.work import RecvWork, check_count, truncation
 from hpcddp.comm._mpi import MPI
 from hpcddp.diagnostics.mismatch import AGREE_BYTES
 
+
 def scatter_copy(flat: torch.Tensor, outputs) -> None:
     """FLAT's consecutive blocks into the tensors OUTPUTS."""
     off = 0
