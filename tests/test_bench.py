@@ -639,6 +639,30 @@ def test_rst_plan_ab_table_is_the_runs():
            f"{min(slow):.0f}-{max(slow):.0f} µs in others" in section
 
 
+def test_dispatch_vcluster_ab_figures_are_the_runs():
+    """docs/benchmarks.md quotes the cross-node A/B saved in docs/benchmarks/dispatch-vcluster-ab/:
+    new/old busbw from 1 MiB per layout, and reduce_scatter_tensor's gap to gloo at 2 x 1."""
+    folder = os.path.join(DOCS, "benchmarks", "dispatch-vcluster-ab")
+
+    def cells(version, layout):
+        with open(os.path.join(folder, f"comm-{version}-{layout}.json")) as f:
+            return {(c["op"], c["bytes"]): c["stats"] for c in json.load(f)["cells"]}
+    section = _section("Across two virtual nodes at 1 Gbit/s (`hpcddp bench comm --vcluster 2")
+    for layout, path in (("2x1", "the ring"), ("2x2", "the hierarchical path")):
+        old, new = cells("old", layout), cells("new", layout)
+        r = [new[k]["hpcddp"]["busbw_GBps"] / old[k]["hpcddp"]["busbw_GBps"]
+             for k in old if k[1] >= 1 << 20]
+        shown = layout.replace("x", " x ")
+        assert f"{min(r):.3f}-{max(r):.3f} at {shown} ({path})" in section, (layout, r)
+    new = cells("new", "2x1")
+    mb = {(impl, size): new["reduce_scatter_tensor", size][impl]["busbw_GBps"] * 1e3
+          for impl in ("hpcddp", "gloo") for size in (1 << 20, 16 << 20)}
+    assert f"(busbw {mb['hpcddp', 1 << 20]:.1f} and {mb['hpcddp', 16 << 20]:.1f} MB/s at 1 and " \
+           f"16 MiB against gloo's {mb['gloo', 1 << 20]:.1f} and {mb['gloo', 16 << 20]:.1f})" \
+        in section
+    assert all(mb["hpcddp", s] < mb["gloo", s] for s in (1 << 20, 16 << 20))
+
+
 def test_group_rows_ab_figures_are_the_runs():
     """docs/benchmarks.md ("The dispatch table", each group's own rows) quotes the A/B saved in
     docs/benchmarks/group-rows-ab/: new/old of the six comm jobs and the 14 DDP jobs."""
