@@ -58,6 +58,44 @@ def test_statistics():
     assert (sp["median"], sp["min"], sp["max"], sp["n"]) == (3, 1, 5, 5)
 
 
+class _OneRank:
+    """The control communicator of a one-rank run, for the protocol without MPI."""
+    def Barrier(self):
+        pass
+
+    def allreduce(self, value, op=None):
+        return value
+
+    def Allreduce(self, send, recv, op=None):
+        recv[...] = send
+
+
+@pytest.mark.parametrize("lead_in", [False, True])
+def test_a_lead_in_evens_out_what_the_implementation_before_leaves(monkeypatch, lead_in):
+    """A shaped link's token bucket, modelled on a fake clock: after an implementation that
+    leaves the link idle ("memcpy"), the next call is fast. Rotated rounds keep "mpi4py"
+    always after memcpy, so it alone gets the burst; with a lead-in both network rows meet
+    a busy link and measure alike."""
+    clock = {"ns": 0, "idle": False}
+    monkeypatch.setattr(protocol.time, "perf_counter_ns", lambda: clock["ns"])
+
+    def network():
+        clock["ns"] += 100 if clock["idle"] else 200
+        clock["idle"] = False
+
+    def memcpy():
+        clock["ns"] += 10
+        clock["idle"] = True
+    impls = {"hpcddp": network, "gloo": memcpy, "mpi4py": network}
+    times, ks = protocol.run_rounds(impls, _OneRank(), rounds=4, max_k=4, lead_in=lead_in)
+    assert ks == {"hpcddp": 4, "gloo": 4, "mpi4py": 4}
+    kept = {name: protocol.median(t[1:]) for name, t in times.items()}
+    if lead_in:
+        assert kept["mpi4py"] == kept["hpcddp"] == 200e-9
+    else:
+        assert kept["mpi4py"] < kept["hpcddp"] == 200e-9
+
+
 def _fake_comm(slow=1.0, gloo=100.0):
     """A comm result as the benchmark writes it: two ops, three rounds (round 1 dropped)."""
     cells = []

@@ -557,7 +557,8 @@ def run(ops=OPS, sizes=None, impls=IMPLS, rounds: int = 7, batch_s: float = 2e-3
                     del fns[name]
                 else:
                     status[name] = {"wrong": 0 if correct else 1}
-            times, ks = protocol.run_rounds(fns, ctl, rounds, batch_s, max_k)
+            times, ks = protocol.run_rounds(fns, ctl, rounds, batch_s, max_k,
+                                            lead_in=setup["nodes"] > 1)
             if ctx.rank == 0:
                 entry = {"op": op, "bytes": cell.nbytes, "requested_bytes": size,
                          "count": cell.count, "busbw_factor": busbw_factor(op, ctx.n),
@@ -581,5 +582,5 @@ def run(ops=OPS, sizes=None, impls=IMPLS, rounds: int = 7, batch_s: float = 2e-3
             "node_paths": list(_node.decisions),
             "config": {"ops": list(ops), "sizes": sizes, "impls": list(impls),
                        "rounds": rounds, "discarded_rounds": 1, "batch_ms": batch_s * 1e3,
-                       "dtype": "float32", "reduce_op": "SUM", "ranks": ctx.n},
+                       "lead_in": setup["nodes"] > 1, "dtype": "float32", "reduce_op": "SUM", "ranks": ctx.n},
             "cells": cells}

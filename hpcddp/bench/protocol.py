@@ -7,7 +7,13 @@ batch lasts at least ``batch_s`` (2 ms by default) and is agreed across ranks.
 
 A *cell* (one op at one size) runs R rounds; each round measures every implementation once,
 in an order rotated by one each round, so a load spike lands on all of them alike. Round 1
-is discarded (it also absorbs first-touch and connection costs). Per implementation we report
+is discarded (it also absorbs first-touch and connection costs). A rotation keeps who runs
+after whom, so where what one implementation leaves behind helps the next, a lead-in evens
+it out: across nodes (``lead_in``) each batch follows an untimed batch of its own, so
+every batch meets a link already busy. A shaped link's token bucket otherwise refills while
+the implementation before it computes without the network (memcpy), and hands the one after
+it a burst above the line rate: raw mpi4py, always after memcpy, measured 0.21 GB/s at 64 KiB
+on a 0.125 GB/s link, the rows after it 0.12 (docs/benchmarks.md). Per implementation we report
 the median over the kept rounds; between two implementations we report the median of the
 per-round *paired* ratios with their quartiles: on a shared machine absolute times move by
 2-3x within minutes while paired ratios stay put.
@@ -110,9 +116,12 @@ def cv(xs) -> float:
 
 # -- timing -------------------------------------------------------------------------------------
 
-def time_batch(fn, k: int, ctl) -> float:
-    """Seconds per call of FN over K back-to-back calls after an untimed barrier (this rank)."""
+def time_batch(fn, k: int, ctl, lead_in: bool = False) -> float:
+    """Seconds per call of FN over K back-to-back calls after an untimed barrier (and, with
+    LEAD_IN, K untimed calls of FN) on this rank."""
     ctl.Barrier()
+    for _ in range(k if lead_in else 0):
+        fn()
     clock = time.perf_counter_ns
     t0 = clock()
     for _ in range(k):
@@ -145,12 +154,12 @@ def calibrate(fn, ctl, batch_s: float = 2e-3, max_k: int = 100_000, warmup: int 
 
 
 def run_rounds(impls: dict, ctl, rounds: int, batch_s: float = 2e-3,
-               max_k: int = 100_000) -> tuple[dict, dict]:
+               max_k: int = 100_000, lead_in: bool = False) -> tuple[dict, dict]:
     """Measure every implementation of one cell in ROUNDS interleaved, rotated rounds.
 
     impls: name -> zero-argument callable (one op). Returns (times, ks): times[name] is the
     list of per-op seconds, one per round (round 1 included; callers drop it), each the MAX
-    over ranks; ks[name] the calls per batch.
+    over ranks; ks[name] the calls per batch. LEAD_IN: each batch after an untimed one.
     """
     from hpcddp.comm import MPI
     import numpy as np
@@ -160,7 +169,7 @@ def run_rounds(impls: dict, ctl, rounds: int, batch_s: float = 2e-3,
     for r in range(rounds):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            local[r, names.index(name)] = time_batch(impls[name], ks[name], ctl)
+            local[r, names.index(name)] = time_batch(impls[name], ks[name], ctl, lead_in)
     both = np.empty_like(local)
     ctl.Allreduce(local, both, op=MPI.MAX)
     return {name: both[:, i].tolist() for i, name in enumerate(names)}, ks
