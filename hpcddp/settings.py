@@ -208,7 +208,8 @@ VARS: tuple[Var, ...] = (
         "than MPI; force: from 256 KiB, no race)",
         "multinode-testing.md"),
     Var("HPCDDP_RING", _path_mode, "auto", "0, 1/auto, force",
-        "large SUM/AVG all_reduce across nodes as a pipelined ring (auto: groups spanning "
+        "large SUM/AVG all_reduce, reduce_scatter_tensor and all_gather_into_tensor across "
+        "nodes as a pipelined ring (auto: groups spanning "
         "several nodes, from the size where a start-up race finds it faster than MPI, or over "
         "TCP links no more than 5% slower; force: from 1 MiB, also on one node, no race)",
         "benchmarks.md"),

@@ -757,3 +757,24 @@ def test_rooted_ops_table_is_the_saved_runs():
     for v in ("old", "new"):
         text = open(os.path.join(folder, f"vcluster2-1gbit-{v}.txt")).read()
         assert "targets: 54 of 54 hold" in text, v
+
+
+def test_ring_halves_ab_is_quoted_as_run():
+    """docs/benchmarks.md quotes the cross-node A/B of the ring's halves saved in
+    docs/benchmarks/ring-halves-ab/: its whole table, reduce_scatter_tensor's busbw over
+    gloo's before and after, and the 64 KiB row left on MPI's non-blocking call."""
+    folder = os.path.join(DOCS, "benchmarks", "ring-halves-ab")
+    ab = _load(os.path.join(folder, "summarize.py"), "ring_halves_ab")
+    page = open(os.path.join(DOCS, "benchmarks.md")).read()
+    assert ab.table() in page
+    section = _section("### The ring's halves")
+    for layout, shown in (("2x1", "at 2 x 1"), ("2x2", "at 2 x 2")):
+        old, new = ab.over_gloo("old", layout), ab.over_gloo("new", layout)
+        assert f"from {old[0]:.2f}-{old[1]:.2f} to {new[0]:.2f}-{new[1]:.2f} {shown}" in section
+        assert old[1] < 1.25 and new[0] > 2.0          # what the text says it shows
+    for path in glob.glob(os.path.join(folder, "comm-new-2x1-*.json")):
+        with open(path) as f:
+            cell = next(c for c in json.load(f)["cells"]
+                        if c["op"] == "reduce_scatter_tensor" and c["bytes"] == 64 << 10)
+        assert round(cell["stats"]["hpcddp"]["busbw_GBps"], 2) == 0.06
+        assert round(cell["stats"]["mpi4py"]["busbw_GBps"], 2) == 0.12

@@ -10,7 +10,8 @@ eth0, the node's bridge link); within a node, shared memory.
 Checked: `hpcddp info` at 2 and 3 nodes; topology and every collective at 2 nodes x 2 ranks
 against numpy (tests/vcluster/job_collectives.py), with the bytes counted on the node's veth
 (node-local all_reduces put none on it, cross-node ones put theirs); that
-shared memory alone cannot join two nodes; DDP, FSDP2 and HSDP against a one-process reference; `hpcddp stage`
+shared memory alone cannot join two nodes; DDP, FSDP2 and HSDP against a one-process reference;
+reduce_scatter_tensor and all_gather_into_tensor on the ring over TCP links at 3 x 1; `hpcddp stage`
 into each node's own /scratch, the shared source read once per node group. A crashed `up` is
 cleaned by `down`.
 
@@ -222,6 +223,15 @@ def test_fsdp2_and_hsdp_match_one_process_2x2(cluster):
     res = mpirun("node1:2,node2:2", ["python", str(JOBS / "job_fsdp2.py")], timeout=240)
     ok(res, "job_fsdp2.py")
     assert res.stdout.count("vcluster-fsdp2 ok") == 4, res.stdout
+
+
+def test_reduce_scatter_and_all_gather_on_the_ring_3x1(cluster):
+    """reduce_scatter_tensor and all_gather_into_tensor across 3 real nodes, one rank each,
+    on the ring's halves over its TCP links, against numpy (tests/vcluster/job_ring_halves.py)."""
+    res = mpirun("node1:1,node2:1,node3:1", ["python", str(JOBS / "job_ring_halves.py")],
+                 extra=("-x", "HPCDDP_RING=force"))
+    ok(res, "job_ring_halves.py")
+    assert res.stdout.count("vcluster-ring-halves ok") == 3, res.stdout
 
 
 def _pack(tmp_path) -> pathlib.Path:

@@ -21,9 +21,10 @@ ranks end with the same bits. The other ops follow the same split (the tensor fo
 reduce_scatter_tensor, all_gather_into_tensor):
 
 - reduce_scatter: reduce_scatter inside the node, local rank l getting the node's sums of the
-  blocks of every node's local rank l; then reduce_scatter of those among the nodes.
-- all_gather: all_gather among the nodes (each rank with its counterparts), then inside the
-  node; one copy puts the blocks in rank order.
+  blocks of every node's local rank l; then reduce_scatter of those among the nodes (for a
+  sum numpy adds, the first half of hpcddp's ring).
+- all_gather: all_gather among the nodes (each rank with its counterparts; hpcddp's ring's
+  second half), then inside the node; one copy puts the blocks in rank order.
 - broadcast: the root's counterparts receive it across nodes, then each node's copy is
   broadcast inside the node. Used for groups that span several nodes with the same number
 (>= 2) of ranks on each, from MIN_BYTES, for the reduce ops MPI has (AVG and PREMUL_SUM run
@@ -89,6 +90,7 @@ class Hier:
         # the ring's private duplicate of cross (its messages never meet cross's collectives)
         self.cross_ring = _ring.connect(cross.Dup()) if _ring.MODE != "0" else None
         self.where = where        # group rank -> (node index, local index)
+        self.scratch = _node.Scratch()
         n_nodes = cross.Get_size()
         # blocks in (local index, node index) order -> rank order, and back
         self.to_ranks = np.array([l * n_nodes + k for k, l in where])
@@ -151,11 +153,11 @@ class Hier:
         mine = arr[bounds[me]:bounds[me + 1]]
         # 1. my slice of the node's sum (into a copy: MPI's reduce_scatter takes no IN_PLACE
         #    for a part of its own send buffer)
-        part = np.empty_like(mine)
+        part = self.scratch.get("part", mine.size, mine.dtype)
         node.Reduce_scatter(arr, part, counts, op)
         # 2. my slice of everyone's sum, with my counterparts on the other nodes
-        if self.cross_ring is not None and op == MPI.SUM and part.dtype in _ring.ADDABLE:
-            _ring.all_reduce(self.cross_ring, part)
+        if self.cross_ring is not None and _ring.adds(op, part):
+            _ring.all_reduce(self.cross_ring, part, self.scratch)
         else:
             self.cross.Allreduce(MPI.IN_PLACE, part, op)
         # 3. every slice from the node's ranks
@@ -165,19 +167,26 @@ class Hier:
     def reduce_scatter(self, inp: np.ndarray, out: np.ndarray, op) -> None:
         """Rank r gets op over ranks of INP's r-th block (n blocks of OUT's size) in OUT."""
         c = out.size
-        blocks = inp.reshape(-1, c)[self.from_ranks].reshape(-1)     # (local, node) order
-        part = np.empty(c * self.cross.Get_size(), dtype=out.dtype)
+        blocks = self.scratch.get("blocks", inp.size, inp.dtype)     # (local, node) order
+        np.take(inp.reshape(-1, c), self.from_ranks, axis=0, out=blocks.reshape(-1, c))
+        part = self.scratch.get("part", c * self.cross.Get_size(), out.dtype)
         self.node.Reduce_scatter_block(blocks, part, op)
-        self.cross.Reduce_scatter_block(part, out, op)
+        if self.cross_ring is not None and _ring.adds(op, part):
+            _ring.reduce_scatter(self.cross_ring, part, out, self.scratch)
+        else:
+            self.cross.Reduce_scatter_block(part, out, op)
 
     def all_gather(self, inp: np.ndarray, out: np.ndarray) -> None:
         """Every rank's INP, in rank order, in OUT."""
         c = inp.size
-        mine = np.empty(c * self.cross.Get_size(), dtype=inp.dtype)
-        self.cross.Allgather(inp, mine)
-        blocks = np.empty(out.size, dtype=out.dtype)                  # (local, node) order
+        mine = self.scratch.get("part", c * self.cross.Get_size(), inp.dtype)
+        if self.cross_ring is not None:
+            _ring.all_gather(self.cross_ring, inp, mine)
+        else:
+            self.cross.Allgather(inp, mine)
+        blocks = self.scratch.get("blocks", out.size, out.dtype)      # (local, node) order
         self.node.Allgather(mine, blocks)
-        out.reshape(-1, c)[...] = blocks.reshape(-1, c)[self.to_ranks]
+        np.take(blocks.reshape(-1, c), self.to_ranks, axis=0, out=out.reshape(-1, c))
 
     def broadcast(self, arr: np.ndarray, root: int) -> None:
         """ARR from group rank ROOT to every rank."""

@@ -122,6 +122,32 @@ def crossover(path: str, op: str, comm, pair, ladder=LADDER, win: float = WIN) -
     return found
 
 
+class Scratch:
+    """Buffers a path's object for a group reuses from call to call, one per KEY, grown to the
+    largest call (freed with the group). Fresh pages cost a fault each on first touch: a
+    16 MiB hierarchical all_gather across 2 virtual nodes x 2 took 81-83 ms on kept buffers,
+    92-107 ms on fresh ones (docs/benchmarks.md). Calls on one group never run at once (the
+    async engine's one queue), so one buffer per key suffices. KEEP=False: fresh every time
+    (:data:`FRESH`, for callers with no group object)."""
+    def __init__(self, keep: bool = True):
+        self.keep = keep
+        self._bufs: dict = {}
+
+    def get(self, key: str, count: int, dtype) -> np.ndarray:
+        """COUNT elements of DTYPE, uninitialised, under KEY."""
+        dtype = np.dtype(dtype)
+        if not self.keep:
+            return np.empty(count, dtype)
+        nbytes = count * dtype.itemsize
+        buf = self._bufs.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._bufs[key] = np.empty(nbytes, np.uint8)
+        return buf[:nbytes].view(dtype)
+
+
+FRESH = Scratch(keep=False)
+
+
 NEVER = 1 << 62               # a row's size on a group it can never serve
 _UNMADE = object()
 

@@ -134,3 +134,25 @@ def test_reduce_scatter_all_gather_broadcast_match_numpy(world, dtype, monkeypat
         assert used.count("broadcast") == 8, used
     else:
         assert used == [], used
+
+
+def test_kept_buffers_serve_calls_of_every_size_and_dtype_in_turn(world):
+    """The path keeps its scratch buffers from call to call (_node.Scratch): a large call, a
+    smaller one of another dtype, then a large one again, each op in turn, all exact (a
+    buffer left sized or typed for the call before would show here)."""
+    n, me = world.size, world.rank
+    for count, dtype in (((3 << 20) // 8, np.float64), ((1 << 20) // 4 + 3, np.int32),
+                         ((3 << 20) // 8 + 1, np.int64), ((1 << 20) // 4, np.float32)):
+        c = count // n + 1
+        every = [data(r, c * n, dtype) for r in range(n)]
+        t = torch.from_numpy(every[me][:count].copy())
+        C.all_reduce(t)
+        assert np.array_equal(t.numpy(), np.sum([e[:count] for e in every], axis=0))
+        out = torch.zeros(c, dtype=t.dtype)
+        C.reduce_scatter_tensor(out, torch.from_numpy(every[me].copy()))
+        assert np.array_equal(out.numpy(), np.sum(every, axis=0)[me * c:(me + 1) * c])
+        big = torch.zeros(c * n, dtype=t.dtype)
+        C.all_gather_into_tensor(big, torch.from_numpy(every[me][:c].copy()))
+        assert np.array_equal(big.numpy(), np.concatenate([e[:c] for e in every]))
+    if n == 4:
+        assert set(_hier.hier(world).scratch._bufs) >= {"part", "blocks", "received"}

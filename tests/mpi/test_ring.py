@@ -1,7 +1,8 @@
-"""The ring path (hpcddp.collectives._ring): large all_reduce across nodes, at 2, 3 and 4 ranks
-on emulated nodes of one rank each, against a numpy reference: exact sums of every dtype it
-takes, sizes that divide neither by the ranks nor by the chunk, AVG and PREMUL_SUM, the same
-bits on every rank, the rows it leaves to MPI, and user messages with the same tags beside it.
+"""The ring path (hpcddp.collectives._ring): large all_reduce, reduce_scatter_tensor and
+all_gather_into_tensor across nodes, at 2, 3 and 4 ranks on emulated nodes of one rank each,
+against a numpy reference: exact sums of every dtype it takes, sizes that divide neither by
+the ranks nor by the chunk, AVG and PREMUL_SUM, the same bits on every rank, the rows it
+leaves to MPI, and user messages with the same tags beside it.
 """
 from __future__ import annotations
 
@@ -74,6 +75,80 @@ def test_avg_and_premul_sum(world):
     t = torch.full(((1 << 20) + 1,), float(r + 1), dtype=torch.float64)
     dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0))
     assert torch.equal(t, torch.full_like(t, float(n * (n + 1))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64])
+def test_reduce_scatter_tensor_takes_the_ring_and_sums_exactly(world, dtype, monkeypatch):
+    """Each rank gets the exact sum of its block, the input is left as it was, the ring ran
+    (its first half); a MAX and a call below its size go to MPI's row."""
+    n, r = world
+    calls = []
+    real = _ring.Ring.reduce_scatter
+    monkeypatch.setattr(_ring.Ring, "reduce_scatter",
+                        lambda self, inp, out: (calls.append(out.size), real(self, inp, out)))
+    c = (1 << 20) // torch.empty(0, dtype=dtype).element_size() // n + 3   # >= 1 MiB in all
+    inputs = [_value(q, c * n, dtype) for q in range(n)]
+    mine = inputs[r].clone()
+    out = torch.zeros(c, dtype=dtype)
+    dist.reduce_scatter_tensor(out, mine)
+    assert torch.equal(out, sum(inputs)[r * c:(r + 1) * c])
+    assert torch.equal(mine, inputs[r]) and calls == [c]
+    dist.reduce_scatter_tensor(out, mine, op=dist.ReduceOp.MAX)
+    assert torch.equal(out, torch.stack(inputs).amax(0)[r * c:(r + 1) * c])
+    small = torch.zeros(10, dtype=dtype)
+    dist.reduce_scatter_tensor(small, _value(r, 10 * n, dtype))
+    assert torch.equal(small, sum(_value(q, 10 * n, dtype) for q in range(n))[r * 10:r * 10 + 10])
+    assert calls == [c]
+    # AVG: summed on the ring, divided after
+    avg = torch.zeros(c, dtype=torch.float64)
+    dist.reduce_scatter_tensor(avg, torch.full((c * n,), float(r), dtype=torch.float64),
+                               op=dist.ReduceOp.AVG)
+    assert torch.equal(avg, torch.full_like(avg, (n - 1) / 2)) and calls == [c, c]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16, torch.uint8])
+def test_all_gather_into_tensor_takes_the_ring_in_rank_order(world, dtype, monkeypatch):
+    """Every rank's input in rank order, for any dtype (a gather adds nothing), the ring ran
+    (its second half)."""
+    n, r = world
+    calls = []
+    real = _ring.Ring.all_gather
+    monkeypatch.setattr(_ring.Ring, "all_gather",
+                        lambda self, inp, out: (calls.append(inp.size), real(self, inp, out)))
+    c = (1 << 20) // torch.empty(0, dtype=dtype).element_size() // n + 5
+    out = torch.zeros(c * n, dtype=dtype)
+    dist.all_gather_into_tensor(out, _value(r, c, dtype))
+    assert torch.equal(out, torch.cat([_value(q, c, dtype) for q in range(n)]))
+    assert calls == [c]
+
+
+def test_reduce_scatter_and_all_gather_over_links_match_mpi_and_numpy(world):
+    """The ring's halves over TCP links and over MPI's point-to-point give the same bits: the
+    reduce-scatter sums block b from rank b+1 on, round the ring, as numpy does in that order;
+    blocks of odd sizes, inputs left unchanged."""
+    n, r = world
+    private = hpcddp.world().mpi.Dup()
+    tcp = _ring.ring(hpcddp.world()).via
+    rng = np.random.default_rng(11)
+    for c in (1, (1 << 16) + 3):
+        data = [rng.standard_normal(c * n).astype(np.float32) for _ in range(n)]
+        kept = data[r].copy()
+        got = {}
+        for name, via in (("tcp", tcp), ("mpi", private)):
+            out = np.zeros(c, np.float32)
+            _ring.reduce_scatter(via, data[r], out)
+            got[name] = out
+        assert np.array_equal(data[r], kept)
+        assert np.array_equal(got["tcp"], got["mpi"])
+        acc = data[(r + 1) % n][r * c:(r + 1) * c].copy()
+        for q in range(2, n + 1):
+            acc += data[(r + q) % n][r * c:(r + 1) * c]
+        assert np.array_equal(got["tcp"], acc)
+        for via in (tcp, private):
+            out = np.zeros(c * n, np.float32)
+            _ring.all_gather(via, data[r][:c], out)
+            assert np.array_equal(out, np.concatenate([d[:c] for d in data]))
+    private.Free()
 
 
 def test_async_and_user_messages_beside_it(world):

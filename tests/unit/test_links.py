@@ -246,3 +246,17 @@ def test_accept_is_bounded_however_many_strays_come(monkeypatch):
             listener.close()
             for s in strays:
                 s.close()
+
+
+def test_scratch_keeps_one_buffer_per_key_grown_to_the_largest_call():
+    from hpcddp.collectives import _node
+    s = _node.Scratch()
+    a = s.get("x", 1000, np.float64)
+    assert a.shape == (1000,) and a.dtype == np.float64
+    b = s.get("x", 10, np.int32)                 # smaller, another dtype: the same memory
+    assert b.dtype == np.int32 and np.shares_memory(a, b)
+    c = s.get("x", 2000, np.float64)             # larger: grown
+    assert c.size == 2000 and not np.shares_memory(a, c)
+    assert not np.shares_memory(c, s.get("y", 10, np.float64))
+    assert not np.shares_memory(_node.FRESH.get("x", 10, np.uint8),
+                                _node.FRESH.get("x", 10, np.uint8))

@@ -101,9 +101,10 @@ ARENA_ROW = Path("shm arena", f"SUM/AVG/PREMUL_SUM, non-bool, {RACED}", ARENA)
 LISTS_ROW = Path("point-to-point", "the list form", LISTS)
 HIER_ROW = Path("hierarchical", f"several nodes, the same number of ranks on each, {RACED}",
                 HIER)
-RING_ROW = Path("ring", f"SUM/AVG/PREMUL_SUM of float32/64, int32/64, several nodes, on "
-                        f"{'TCP links' if _ring.TRANSPORT == 'tcp' else 'MPI point-to-point'}, "
+_ON = f"on {'TCP links' if _ring.TRANSPORT == 'tcp' else 'MPI point-to-point'}"
+RING_ROW = Path("ring", f"SUM/AVG/PREMUL_SUM of float32/64, int32/64, several nodes, {_ON}, "
                         f"{RACED}", RING)
+RING_GATHER_ROW = Path("ring", f"several nodes, {_ON}, {RACED}", RING)
 PIECES = "; over MPI's count limit of 2^31-1 elements, in pieces"
 
 
@@ -122,10 +123,10 @@ PATHS: dict[str, tuple[Path, ...]] = {
                             LISTS),
                        _mpi("Reduce_scatter_block", pieces=False)),
     "reduce_scatter_tensor": (_hit(f"SUM of the tensors of the two calls before, blocking, "
-                                   f"{BELOW}"), *DEVICE, ARENA_ROW, HIER_ROW,
+                                   f"{BELOW}"), *DEVICE, ARENA_ROW, HIER_ROW, RING_ROW,
                               _mpi("Reduce_scatter_block", pieces=False)),
     "all_gather": (PLAN, *DEVICE, LISTS_ROW, _mpi("Allgather")),
-    "all_gather_into_tensor": (PLAN, *DEVICE, HIER_ROW, _mpi("Allgather")),
+    "all_gather_into_tensor": (PLAN, *DEVICE, HIER_ROW, RING_GATHER_ROW, _mpi("Allgather")),
     "gather": (*DEVICE, Path("point-to-point", "each block into its tensor of the root's list",
                              LISTS), _mpi("Gather(v)")),
     "scatter": (*DEVICE, Path("point-to-point", "each block from its tensor of the root's list",
