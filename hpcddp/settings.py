@@ -211,7 +211,7 @@ VARS: tuple[Var, ...] = (
         "large SUM/AVG all_reduce, reduce_scatter_tensor and all_gather_into_tensor across "
         "nodes as a pipelined ring (auto: groups spanning "
         "several nodes, from the size where a start-up race finds it faster than MPI, or over "
-        "TCP links no more than 5% slower; force: from 1 MiB, also on one node, no race)",
+        "TCP links no more than 5% slower; force: from 256 KiB, also on one node, no race)",
         "benchmarks.md"),
     Var("HPCDDP_RING_TRANSPORT", _choice("tcp", "mpi"), "tcp", "tcp, mpi",
         "what the rings' messages travel on (the all_reduce ring, hpcddp stage's ring "

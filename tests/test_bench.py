@@ -778,3 +778,22 @@ def test_ring_halves_ab_is_quoted_as_run():
                         if c["op"] == "reduce_scatter_tensor" and c["bytes"] == 64 << 10)
         assert round(cell["stats"]["hpcddp"]["busbw_GBps"], 2) == 0.06
         assert round(cell["stats"]["mpi4py"]["busbw_GBps"], 2) == 0.12
+
+
+def test_rst_blocking_ab_is_quoted_as_run():
+    """docs/benchmarks.md ("reduce_scatter_tensor on the blocking call") quotes the A/B saved
+    in docs/benchmarks/rst-blocking-ab/: the one-node headline and rows, the cross-node table,
+    and the ranges the text draws from it."""
+    folder = os.path.join(DOCS, "benchmarks", "rst-blocking-ab")
+    ab, section = _ab_quoted("rst-blocking-ab", "### reduce_scatter_tensor on the blocking call")
+    old, new = ab.comm("old"), ab.comm("new")
+    for size, shown in ((8, "8 B"), (1024, "1 KiB"), (65536, "64 KiB")):
+        key = ("reduce_scatter_tensor", size, "dratio")
+        assert f"{shown} {old[key]:.2f} -> {new[key]:.2f}" in section, (shown, old[key], new[key])
+        assert new[key] < old[key]
+    vc = _load(os.path.join(folder, "vcluster.py"), "rst_blocking_vcluster")
+    assert " ".join(vc.table().split()) in section
+    fast = [x for layout in ("2x1", "2x2") for n, xs in vc.ratios("new", layout).items()
+            if n >= 256 << 10 for x in xs]
+    assert f"{min(fast):.2f}-{sorted(fast)[-2]:.2f} of raw MPI's time (one 2 x 2 job at 1 MiB: " \
+           f"{max(fast):.2f})" in section

@@ -582,5 +582,6 @@ def run(ops=OPS, sizes=None, impls=IMPLS, rounds: int = 7, batch_s: float = 2e-3
             "node_paths": list(_node.decisions),
             "config": {"ops": list(ops), "sizes": sizes, "impls": list(impls),
                        "rounds": rounds, "discarded_rounds": 1, "batch_ms": batch_s * 1e3,
-                       "lead_in": setup["nodes"] > 1, "dtype": "float32", "reduce_op": "SUM", "ranks": ctx.n},
+                       "lead_in": setup["nodes"] > 1, "dtype": "float32", "reduce_op": "SUM",
+                       "ranks": ctx.n},
             "cells": cells}

@@ -558,12 +558,9 @@ static PyObject *run_xplan(PyObject *plan, PyObject *tensors, PyObject *group) {
         if (rc == MPI_SUCCESS)
             rc = MPI_Wait(&req, MPI_STATUS_IGNORE);
     } else if (p->code == REDUCE_SCATTER) {
-        /* nonblocking, then wait, as the Python path's (a peer's call may be async_op=True) */
-        MPI_Request req;
-        rc = MPI_Ireduce_scatter_block(p->in, p->buf, p->count, p->htype, p->hop, p->hcomm,
-                                       &req);
-        if (rc == MPI_SUCCESS)
-            rc = MPI_Wait(&req, MPI_STATUS_IGNORE);
+        /* blocking, as the Python path's (reduce_scatter_tensor runs it blocking whatever
+           async_op) */
+        rc = MPI_Reduce_scatter_block(p->in, p->buf, p->count, p->htype, p->hop, p->hcomm);
     } else if (p->code == ALLGATHER) {
         /* blocking, as the Python path's (all_gather_into_tensor runs it blocking whatever
            async_op) */

@@ -182,7 +182,7 @@ xplans: tuple = ({}, {}, {}, {}, {})   # per kind: id(first tensor of the call) 
 #       MPI_Sendrecv steps with the tag (hpcddp.collectives._lists._exchange)
 #   (ALLGATHER, comm, datatype, count): MPI_Allgather of COUNT elements from the call's tensor 1
 #       into its tensor 0 (all_gather_into_tensor)
-#   (REDUCE_SCATTER, comm, datatype, count, op): MPI_Ireduce_scatter_block + MPI_Wait of
+#   (REDUCE_SCATTER, comm, datatype, count, op): MPI_Reduce_scatter_block of
 #       COUNT elements per rank from the call's tensor 1 into its tensor 0 (a SUM
 #       reduce_scatter_tensor; its hit also checks every tensor's dtype: a reduction adds in it)
 

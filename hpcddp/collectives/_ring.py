@@ -19,9 +19,10 @@ beside it: DDP across 2 virtual nodes ran at 0.62 of gloo that way, 1.03 on the 
 
 Used for SUM (and AVG, PREMUL_SUM: scaled around it) of the dtypes numpy adds natively (the
 gather: any dtype), in groups whose ranks span several nodes, each op from the size where a
-race against the MPI row's call on the group's first such call finds it faster (_node.crossover, 1 to 8 MiB; over TCP links a tie
-within 5% goes to the ring, which leaves the core free: _node.TIE); ``HPCDDP_RING``: 0, auto,
-force, which skips the race and serves from MIN_BYTES. Its messages never meet the user's:
+race against the MPI row's call on the group's first such call finds it faster
+(_node.crossover, 256 KiB to 8 MiB; over TCP links a tie within 5% goes to the ring, which
+leaves the core free: _node.TIE); ``HPCDDP_RING``: 0, auto, force, which skips the race and
+serves from MIN_BYTES. Its messages never meet the user's:
 they go over its own connections (or its private communicator).
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from hpcddp.comm import links
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import free_mpi
 
-MIN_BYTES = 1 << 20
+MIN_BYTES = _node.LADDER[0]          # 256 KiB: where its races start
 LADDER = tuple(n for n in _node.LADDER if MIN_BYTES <= n <= 8 << 20)
 CHUNK = 1 << 20
 # over TCP links a received chunk is added once this much of it has landed
@@ -97,7 +98,7 @@ class Ring:
         out = np.full(arr.size // n, 0.0, np.float32)
         if op == "reduce_scatter":
             return (lambda: self.reduce_scatter(arr, out),
-                    lambda: mpi.Ireduce_scatter_block(arr, out, MPI.SUM).Wait())
+                    lambda: mpi.Reduce_scatter_block(arr, out, MPI.SUM))
         return lambda: self.all_gather(out, arr), lambda: mpi.Allgather(out, arr)
 
     @classmethod

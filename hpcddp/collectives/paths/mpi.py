@@ -88,8 +88,10 @@ class MPIPath:
 
     @staticmethod
     def reduce_scatter_tensor(c):
-        req = c.comm.mpi.Ireduce_scatter_block(c.inp, c.arr, c.mop)
-        return wait_or_work(c, [req], keep=c.input)
+        # The blocking MPI call, with or without async_op, as all_reduce's: Open MPI's
+        # Ireduce_scatter_block + wait took 1.3-1.5x its time below 1 MiB on one node and 2x
+        # at 64 KiB across nodes (docs/benchmarks.md, "reduce_scatter_tensor on the blocking call")
+        c.comm.mpi.Reduce_scatter_block(c.inp, c.arr, c.mop)
 
     @staticmethod
     def plan_reduce_scatter_tensor(c):      # a blocking SUM (the op's memo)
@@ -100,7 +102,7 @@ class MPIPath:
                                                   datatype, out.size, MPI._handleof(mop))
             _plans.make_xplan(REDUCE_SCATTER_TENSOR, (c.tensor, c.input), c.group, c.comm,
                               "reduce_scatter", c.shape, c.dtype,
-                              lambda: mpi.Ireduce_scatter_block(inp, out, mop).Wait(), prog)
+                              lambda: mpi.Reduce_scatter_block(inp, out, mop), prog)
 
     @staticmethod
     def reduce_scatter(c):
