@@ -797,3 +797,26 @@ def test_rst_blocking_ab_is_quoted_as_run():
             if n >= 256 << 10 for x in xs]
     assert f"{min(fast):.2f}-{sorted(fast)[-2]:.2f} of raw MPI's time (one 2 x 2 job at 1 MiB: " \
            f"{max(fast):.2f})" in section
+
+
+def test_ring_halves_at_four_nodes_is_quoted_as_run():
+    """The 4-node job of docs/benchmarks/ring-halves-ab/four-nodes.json as the page quotes it:
+    busbw ranges from 1 MiB per op and implementation, and the ring ahead of raw MPI and gloo
+    for reduce_scatter_tensor."""
+    with open(os.path.join(DOCS, "benchmarks", "ring-halves-ab", "four-nodes.json")) as f:
+        cells = json.load(f)["cells"]
+
+    def span(op, impl):
+        xs = [c["stats"][impl]["busbw_GBps"] * 1e3 for c in cells
+              if c["op"] == op and c["bytes"] >= 1 << 20]
+        lo, hi = f"{min(xs):.0f}", f"{max(xs):.0f}"
+        return min(xs), max(xs), lo if lo == hi else f"{lo}-{hi}"
+    section = _section("### The ring's halves")
+    rst = {impl: span("reduce_scatter_tensor", impl) for impl in ("hpcddp", "direct", "mpi4py",
+                                                                  "gloo")}
+    assert (f"reduce_scatter_tensor through torch {rst['hpcddp'][2]}, direct {rst['direct'][2]}, "
+            f"raw MPI {rst['mpi4py'][2]}, gloo {rst['gloo'][2]}") in section
+    ag = ", ".join(span("all_gather_into_tensor", i)[2] for i in ("hpcddp", "direct", "mpi4py",
+                                                                   "gloo"))
+    assert f"all_gather_into_tensor {ag}." in section
+    assert rst["hpcddp"][0] > rst["gloo"][1] and rst["hpcddp"][0] > rst["mpi4py"][1]

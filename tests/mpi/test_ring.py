@@ -104,6 +104,11 @@ def test_reduce_scatter_tensor_takes_the_ring_and_sums_exactly(world, dtype, mon
     dist.reduce_scatter_tensor(avg, torch.full((c * n,), float(r), dtype=torch.float64),
                                op=dist.ReduceOp.AVG)
     assert torch.equal(avg, torch.full_like(avg, (n - 1) / 2)) and calls == [c, c]
+    # PREMUL_SUM: the ring sums copies scaled by the factor; the caller's input is unchanged
+    mine = torch.full((c * n,), float(r + 1), dtype=torch.float64)
+    dist.reduce_scatter_tensor(avg, mine, op=dist._make_nccl_premul_sum(2.0))
+    assert torch.equal(avg, torch.full_like(avg, float(n * (n + 1)))) and calls == [c, c, c]
+    assert torch.equal(mine, torch.full_like(mine, float(r + 1)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16, torch.uint8])
