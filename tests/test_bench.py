@@ -820,3 +820,19 @@ def test_ring_halves_at_four_nodes_is_quoted_as_run():
                                                                    "gloo"))
     assert f"all_gather_into_tensor {ag}." in section
     assert rst["hpcddp"][0] > rst["gloo"][1] and rst["hpcddp"][0] > rst["mpi4py"][1]
+
+
+def test_fsdp_vcluster_ab_is_quoted_as_run():
+    """docs/benchmarks.md ("FSDP2 across nodes") quotes the jobs saved in
+    docs/benchmarks/fsdp-vcluster/ as its summarize.py tabulates them; the new code ahead of
+    gloo and of the old code in every job, the models equal as the text says."""
+    folder = os.path.join(DOCS, "benchmarks", "fsdp-vcluster")
+    ab = _load(os.path.join(folder, "summarize.py"), "fsdp_vcluster")
+    assert " ".join(ab.table().split()) in _section("**FSDP2 across nodes.**")
+    for layout in ("2x1", "2x2"):
+        old, new = ab.jobs("old", layout), ab.jobs("new", layout)
+        assert len(old) == len(new) == 2
+        assert min(j["hpcddp_over_gloo"] for j in new) > 1.4 > \
+            max(j["hpcddp_over_gloo"] for j in old)
+        for j in old + new:
+            assert j["param_max_diff"] == 0 if layout == "2x1" else j["param_max_diff"] <= 2.4e-7
