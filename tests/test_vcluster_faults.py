@@ -121,7 +121,13 @@ def launch_on_nodes(nodes: int, *, ulfm: bool = False, grace: int = 15) -> list:
             "-x", "TORCH_CPP_LOG_LEVEL=ERROR"]
 
 
-def start_then_fault(cmd: list, env: dict, fault):
+# What mpirun prints when PRRTE's own start-up fails before any rank runs (seen once in CI,
+# after a fault test's leftovers on a node: its PMIx listener could not start). Such a start
+# is retried once: these tests are about the job's faults, not the launcher's start.
+LAUNCHER_NOT_STARTED = "The PMIx server's listener thread failed to start"
+
+
+def start_then_fault(cmd: list, env: dict, fault, tries: int = 2):
     """Start CMD, inject FAULT (`vcluster.sh fault` arguments, or a function to call) once the
     job prints "looping" -> (process, output so far)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -135,7 +141,12 @@ def start_then_fault(cmd: list, env: dict, fault):
             proc.kill()
             pytest.fail("the job did not start looping within 120 s:\n" + "".join(out))
     else:
-        pytest.fail(f"the job ended before the fault (status {proc.wait()}):\n" + "".join(out))
+        status = proc.wait()
+        if tries > 1 and LAUNCHER_NOT_STARTED in "".join(out):
+            print(f"mpirun did not start (status {status}), once more:\n" + "".join(out))
+            time.sleep(2)
+            return start_then_fault(cmd, env, fault, tries - 1)
+        pytest.fail(f"the job ended before the fault (status {status}):\n" + "".join(out))
     if callable(fault):
         fault()
     else:
