@@ -16,8 +16,8 @@ table). ``take``:
 3. runs the first row that applies (the last, MPI, always does), of the rows as they stand on
    the call's group (:func:`group_rows`: a node-local path that cannot serve the group is
    not asked, one that serves from a size is skipped below it with a compare); the paths
-   only SUM: a PREMUL_SUM's inputs are scaled before (:func:`premultiply`), an AVG's result
-   divided after (:func:`average`, chained onto the path's Work where it returns one);
+   only SUM: a PREMUL_SUM's inputs are scaled before (:func:`premultiply`; put back as they
+   were where the call fails), an AVG's result divided after (:func:`average`, chained onto the path's Work where it returns one);
 4. ends the record and answers where the path completed the op (None, or a completed Work
    for ``async_op``), or hands out the path's Work; a path that raises leaves the record
    closed as unfinished (:func:`failed`);
@@ -188,14 +188,14 @@ def take(route: tuple, call: Call):
         seq = comm.seq = comm.seq + 1          # the record (recorder.FlightRecorder.start)
         _ring[next(_slots)] = entry = call.entry = [seq, call.name, comm, call.shape,
                                                     call.dtype, call.root, _clock[0], 0.0]
-    nbytes, red = call.nbytes, call.red
+    nbytes, red, unscaled = call.nbytes, call.red, None
     try:
         if collective and nbytes >= _AGREE_FROM:
             _agree_recorded(comm, entry, red)
         # !=, ==: torch hands out new enum objects; a SUM stops at the first compare
         scaled = red is not None and red != _SUM and (red == _PREMUL or red == _AVG)
         if scaled and red == _PREMUL:
-            premultiply(route[7], call)
+            unscaled = premultiply(route[7], call)
         rows = None if nbytes < route[3] else group_rows(route, comm)
         if rows is None or nbytes < rows[1]:
             run, plan = route[4]                # below every middle row's start
@@ -210,6 +210,8 @@ def take(route: tuple, call: Call):
     except BaseException:
         if collective:
             failed(entry)
+        if unscaled is not None:
+            call.tensor.copy_(unscaled)
         raise
     if collective and done is None:             # complete: the record's end, the answer
         entry[_T_END] = _clock[0]
@@ -249,16 +251,18 @@ class _Queued:
         self.route = route
 
     def __call__(self, call: Call):
-        entry, red = call.entry, call.red
+        entry, red, unscaled = call.entry, call.red, None
         try:
             _agree_recorded(call.comm, entry, red)
             if red is not None and red == _PREMUL:
-                premultiply(self.route[7], call)
+                unscaled = premultiply(self.route[7], call)
             done = run_host(self.route, call)
             if red is not None and red == _AVG:
                 average(call, done)
         except BaseException:
             failed(entry)
+            if unscaled is not None:
+                call.tensor.copy_(unscaled)
             raise
         if done is None:
             entry[_T_END] = _clock[0]
@@ -274,15 +278,22 @@ def premul_factor(op):
     return factor
 
 
-def premultiply(method: str, call: Call) -> None:
+def premultiply(method: str, call: Call):
     """A PREMUL_SUM's inputs times its factor (NCCL's definition), so the path runs a SUM: in
     place where the op's input is its result (all_reduce; reduce on the root), else on copies
     the call then sends (the caller's inputs are left as they were). In place, in the tensor's
-    dtype: a factor tensor of another dtype must not promote what MPI is told it sends."""
+    dtype: a factor tensor of another dtype must not promote what MPI is told it sends.
+
+    Returns a copy of the tensor as the caller passed it where it was scaled in place (take
+    puts it back if the call fails: a path's agreement refuses a call before it runs, and the
+    refusal says the tensor is as it was; dividing by the factor again would not be exact),
+    else None."""
     factor = premul_factor(call.op)
     if method == "all_reduce" or method == "reduce" and call.comm.rank == call.root:
+        unscaled = call.tensor.clone()
         call.tensor.mul_(factor)
-    elif method == "reduce":
+        return unscaled
+    if method == "reduce":
         call.tensor = call.tensor.clone().mul_(factor)
         call.arr = as_array(call.tensor)
     elif method == "reduce_scatter_tensor":
@@ -290,6 +301,7 @@ def premultiply(method: str, call: Call) -> None:
         call.inp = as_array(call.input)
     else:                                   # reduce_scatter: one block per rank
         call.tensors = [t.clone().mul_(factor) for t in call.tensors]
+    return None
 
 
 def average(call: Call, done) -> None:

@@ -102,10 +102,12 @@ def test_reduce_scatter_and_all_gather_into_tensor_counts(world, path):
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter_tensor"])
-@pytest.mark.parametrize("differs", ["count", "dtype", "reduce op"])
+@pytest.mark.parametrize("differs", ["count", "dtype", "reduce op", "premul"])
 def test_arena_agrees_below_the_agreement_size(world, op, differs, monkeypatch):
     """From 1 MiB the arena compares the calls' hashes after its first barrier: 2 MiB against
-    2 MiB - 4000 B, int32 against float32, AVG against SUM."""
+    2 MiB - 4000 B, int32 against float32, AVG against SUM; and PREMUL_SUM on the other
+    ranks against SUM: take scales a PREMUL_SUM's input before the path runs (in place for
+    all_reduce), so a refusal must hand the caller back the tensor it passed."""
     monkeypatch.setattr(_arena, "MODE", "force")
     monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     n, c = dist.get_world_size(), (2 << 20) // 4
@@ -115,11 +117,13 @@ def test_arena_agrees_below_the_agreement_size(world, op, differs, monkeypatch):
             c -= 1000
         elif differs == "dtype":
             dtype = torch.int32
-        else:
+        elif differs == "reduce op":
             red = dist.ReduceOp.AVG
+    elif differs == "premul":
+        red = dist._make_nccl_premul_sum(3.0)
     assert 4 * c < AGREE_BYTES and 4 * c >= _arena.MIN_BYTES
     needle = {"count": f"(count {(2 << 20) // 4 - 1000}, float32",
-              "dtype": "int32", "reduce op": "op AVG"}[differs]
+              "dtype": "int32", "reduce op": "op AVG", "premul": "op PREMUL_SUM"}[differs]
     if op == "all_reduce":
         t = torch.ones(c, dtype=dtype)
         expect_refused(lambda: dist.all_reduce(t, op=red), t, "all_reduce #", needle)

@@ -20,6 +20,8 @@ import test_collectives as M  # noqa: E402  (tests/mpi is on sys.path)
 from test_async import *  # noqa: F401,F403  (their tests, run here with the engine on)
 from test_ddp import *  # noqa: F401,F403
 from hpcddp.collectives import engine
+from hpcddp.collectives.paths import arena as _arena
+from hpcddp.comm import startup as _rt
 from hpcddp.diagnostics.mismatch import AGREE_BYTES, CollectiveMismatchError
 
 MPI_ENV = {"HPCDDP_ASYNC_ENGINE": "force"}
@@ -111,6 +113,26 @@ def test_large_mismatch_in_flight_names_the_culprit(world):
     named = "culprit: rank 1" if n > 2 else "rank 1 .*No majority"   # 2 ranks: 1 against 1
     with pytest.raises(CollectiveMismatchError, match=named):
         w2.wait()
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((8,), float(n)))
+
+
+def test_a_refused_premul_sum_in_flight_leaves_the_tensor_as_passed(world, monkeypatch):
+    """The engine scales an async PREMUL_SUM all_reduce's tensor in place before its path
+    runs; rank 1 passes SUM instead, the arena's agreement (2 MiB, below the size take agrees
+    on first) refuses the call on the engine's thread: every rank's Work raises and every
+    rank's tensor is as it passed it, not multiplied by the factor."""
+    monkeypatch.setattr(_arena, "MODE", "force")
+    monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
+    n, r = dist.get_world_size(), dist.get_rank()
+    op = dist.ReduceOp.SUM if r == 1 else dist._make_nccl_premul_sum(3.0)
+    t = torch.full(((2 << 20) // 4,), float(r + 1))
+    before = t.clone()
+    w = dist.all_reduce(t, op=op, async_op=True)
+    with pytest.raises(CollectiveMismatchError, match="PREMUL_SUM"):
+        w.wait()
+    assert torch.equal(t, before), "a refused PREMUL_SUM left the tensor scaled"
     t = torch.ones(8)
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((8,), float(n)))
