@@ -164,6 +164,15 @@ class Links:
         elastic recovery reads it), else a LinkError naming the neighbour."""
         peer = (self.rank + (1 if which == "out" else -1)) % self.size
         world = _world_rank(self.mpi, peer)
+        # A neighbour that finds its other link broken closes this one too (below), so the
+        # link that broke here may only pass the news on: where the other side's neighbour
+        # has closed its end as well, it is named too (it may be the one that is gone)
+        other = self.intos if which == "out" else self.outs
+        also = ""
+        if self.size > 2 and any(map(_closed, other)):
+            far = _world_rank(self.mpi, (self.rank + (-1 if which == "out" else 1)) % self.size)
+            also = (f"; the link {'from' if which == 'out' else 'to'} rank {far} is closed too: "
+                    f"one of the two is gone, the other closed its links when it found out")
         self.broken = detail
         self.close()           # the neighbours on this rank's other links see the end now
         deadline = time.monotonic() + 2.0
@@ -171,7 +180,7 @@ class Links:
             self.check_peers()
             time.sleep(0.05)
         raise LinkError(f"the ring's TCP link {'to' if which == 'out' else 'from'} rank {world} "
-                        f"broke ({detail}): its process or its network is gone")
+                        f"broke ({detail}): its process or its network is gone{also}")
 
     def check_peers(self):
         """Let MPI say whether a process of the group was lost (raises MPI_ERR_PROC_FAILED
@@ -194,6 +203,17 @@ def _close_in_forked_child() -> None:
 
 
 os.register_at_fork(after_in_child=_close_in_forked_child)
+
+
+def _closed(sock) -> bool:
+    """Whether the other end of SOCK has closed it (an end of stream or a reset waits to be
+    read; a link's data, if any, is left where it is)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
 
 
 def _world_rank(mpi_comm, rank: int) -> int:
