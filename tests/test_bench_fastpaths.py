@@ -1,6 +1,7 @@
 """The speed paths `hpcddp bench` led to, checked for correctness in a real 2- and 3-rank job:
 
-- all_reduce plans (hpcddp.collectives._plans), with the C hit and the Python one: a plan must
+- all_reduce plans (hpcddp.collectives._plans), with the C hit and the Python one (and the
+  rooted ones: broadcast, SUM reduce): a plan must
   never outlive what it describes (tensor resized, memory swapped, another group, a freed
   group, another op, a dead tensor whose id is reused, async and blocking, direct API and
   torch.distributed on the same tensor), and a hit is recorded like any op;
@@ -159,6 +160,52 @@ SCRIPT = textwrap.dedent(r'''
     c8 = torch.full((3,), float(r), dtype=torch.float64)
     for i in range(2):
         hpcddp.broadcast(c8, 0); same(c8, torch.zeros(3, dtype=torch.float64), f"f64 #{i}")
+
+    # -- reduce plans: the same tensor reduced again (SUM) onto the same root -----------------
+    def ref_reduce(t, root):      # the root's result; the other ranks keep their tensor
+        u = t.clone(); dist.all_reduce(u, group=G); return u if r == root else t.clone()
+
+    q = torch.arange(5, dtype=torch.float32) * (r + 1)
+    for i in range(3):                        # planned, then hit; another root: planned again
+        for root in (0, n - 1):
+            want = ref_reduce(q, root)
+            hpcddp.reduce(q, root); same(q, want, f"reduce root {root} #{i}")
+            q.mul_(2).add_(r)
+            want = ref_reduce(q, root)
+            dist.reduce(q, root); same(q, want, f"dist.reduce root {root} #{i}")
+            q.add_(r)
+    assert id(q) in _plans.rplans, "reduce made no plan"
+    seq = world.seq
+    want = ref_reduce(q, n - 1)
+    assert _plans.rhit(q, n - 1, None) is True, "no hit on the same tensor, root and group"
+    same(q, want, "the reduce hit")
+    hit = [e for e in REC.RECORDER.buf
+           if e is not None and e[REC.GROUP] is world and e[REC.SEQ] == seq + 1][-1]
+    assert hit[REC.OP] == "reduce" and hit[REC.PEER] == n - 1, hit      # the hit is recorded
+    assert _plans.rhit(q, 0.0, None) is False and _plans.rhit(torch.zeros(5), n - 1, None) is False
+    assert _plans.rhit(q, 0, None) is (n == 1), "another root hit the plan"
+    u = q.clone(); dist.all_reduce(u, op=MAX, group=G)
+    want = u if r == n - 1 else q.clone()
+    hpcddp.reduce(q, n - 1, op=MAX); same(q, want, "MAX after a SUM plan")
+    x5 = torch.full((5,), float(r + 1))
+    for i in range(2):                        # AVG is never planned
+        x5.fill_(float(r + 1))
+        hpcddp.reduce(x5, 0, op=AVG)
+        same(x5, torch.full((5,), (n + 1) / 2 if r == 0 else float(r + 1)), f"AVG #{i}")
+    assert id(x5) not in _plans.rplans, "an AVG reduce was planned"
+    i64 = torch.full((3,), r + 1, dtype=torch.int64)
+    for i in range(3):                        # planned on the second call, hit on the third
+        want = ref_reduce(i64, 0)
+        hpcddp.reduce(i64, 0); same(i64, want, f"int64 #{i}")
+    assert id(i64) in _plans.rplans, "an int64 reduce made no plan"
+    q.resize_(2)                              # same memory, fewer elements: the full path
+    want = ref_reduce(q, 0)
+    hpcddp.reduce(q, 0); same(q, want, "reduce after resize_")
+    sub = dist.new_group(list(range(n)))
+    want = ref_reduce(q, 0)
+    dist.reduce(q, 0, group=sub); same(q, want, "reduce on another group")
+    dist.reduce(q, 0, group=sub); assert _plans.rhit(q, 0, None) is False, \
+        "the world hit the sub group's plan"
 
     # -- list forms ------------------------------------------------------------------------
     for count in (1, 5, 70000):

@@ -12,7 +12,9 @@
  * block's memmove and MPI_Sendrecv steps) with the GIL released.
  *
  * broadcast() does it for a blocking broadcast of a tensor broadcast before from the same root:
- * the plan's checks, the entry (with the root as its peer), MPI_Bcast with the GIL released.
+ * the plan's checks, the entry (with the root as its peer), MPI_Bcast with the GIL released;
+ * reduce_sum() for a blocking SUM reduce of a tensor reduced before onto the same root
+ * (MPI_Reduce, in place on the root). Both are rooted hits (rooted_hit).
  *
  * p2p() starts (or runs, when blocking) a planned isend/irecv/send/recv of a tensor used before
  * with the same peer, tag and group; the non-blocking ones return a P2PWork, a Work whose
@@ -44,18 +46,18 @@
 /* set once by configure(): the all_reduce plans dict, the exchange plans (a tuple of dicts,
    one per kind), the recorder's ring, its slot cycle, its clock, and mpi4py's exception class */
 static PyObject *plans, *xplans, *ring, *slots, *tick, *mpi_exception;
-/* the broadcast plans (a dict, keyed as the all_reduce plans) */
-static PyObject *bplans;
+/* the broadcast and the reduce plans (dicts, keyed as the all_reduce plans) */
+static PyObject *bplans, *rplans;
 /* and the p2p plans (a tuple: send plans, recv plans), the recorder's p2p sequence numbers
    (a dict: communicator uid -> last number), hpcddp.collectives.work.future_of and
    work.count_error */
 static PyObject *pplans, *p2p_seq, *future_of, *count_error;
-static PyObject *s_op, *s_broadcast, *s_data_ptr, *s_numel, *s_is_contiguous, *s_dtype, *s_seq, *s_mpi;
+static PyObject *s_op, *s_broadcast, *s_reduce, *s_data_ptr, *s_numel, *s_is_contiguous, *s_dtype, *s_seq, *s_mpi;
 
 /* a plan's program (_plans: ALLTOALLV...; NO_PROGRAM: only the Python hit runs it) and the
    ops p2p() runs (_plans: ISEND...) */
 enum { NO_PROGRAM = -1, ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, BROADCAST, ALLGATHER,
-       REDUCE_SCATTER };
+       REDUCE_SCATTER, REDUCE };
 enum { ISEND, IRECV, SEND, RECV };
 
 /* -- Plan: the one plan type -----------------------------------------------------------------
@@ -65,8 +67,9 @@ enum { ISEND, IRECV, SEND, RECV };
  * the program: (ALLREDUCE, comm, datatype, op), (ALLTOALLV, comm, datatype, int32 table, tag),
  * (SENDRECV, comm, datatype, int64 table, tag), (POINT_TO_POINT, comm, datatype, count, MPI
  * peer), (BROADCAST, comm, datatype, root), (ALLGATHER, comm, datatype, count: each rank's
- * block) or (REDUCE_SCATTER, comm, datatype, count: each rank's block, op), the handles as
- * mpi4py's MPI._handleof ints; None where C cannot run it. */
+ * block), (REDUCE_SCATTER, comm, datatype, count: each rank's block, op) or (REDUCE, comm,
+ * datatype, op, root, this rank is the root), the handles as mpi4py's MPI._handleof ints;
+ * None where C cannot run it. */
 typedef struct {
     PyObject_HEAD
     PyObject *refs, *ptrs, *numels;       /* tuples, one item per tensor of the call */
@@ -79,7 +82,8 @@ typedef struct {
     MPI_Comm hcomm;
     MPI_Datatype htype;
     MPI_Op hop;
-    void *buf, *in;                       /* the first (second) tensor's memory */
+    void *buf, *in;                       /* the first (second) tensor's memory; REDUCE: what
+                                             the rank sends (MPI_IN_PLACE on the root) */
     const char *table;                    /* in prog's bytes; ROWS: ranks or steps */
     Py_ssize_t rows;
 } Plan;
@@ -186,6 +190,21 @@ static int unpack_program(Plan *p) {
             return 0;                     /* MPI's int count: the Python path cuts it up */
         p->count = (int)count;
         break;
+    case REDUCE: {
+        if (PyTuple_GET_SIZE(prog) != 6 || n != 1)
+            return refuse_program("of a reduce is (REDUCE, comm, datatype, op, root, is_root), "
+                                  "on one tensor");
+        p->hop = (MPI_Op)(intptr_t)handle_at(prog, 3);
+        p->mpi_peer = (int)PyLong_AsLong(PyTuple_GET_ITEM(prog, 4));
+        int is_root = PyObject_IsTrue(PyTuple_GET_ITEM(prog, 5));
+        if (is_root < 0 || PyErr_Occurred())
+            return -1;
+        p->in = is_root ? MPI_IN_PLACE : p->buf;
+        if (count < 0 || count > INT_MAX)
+            return 0;
+        p->count = (int)count;
+        break;
+    }
     case ALLTOALLV:
     case SENDRECV:
         if (PyTuple_GET_SIZE(prog) != 5)
@@ -204,7 +223,7 @@ static int unpack_program(Plan *p) {
         break;
     default:
         return refuse_program("code is not ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, "
-                              "BROADCAST, ALLGATHER or REDUCE_SCATTER");
+                              "BROADCAST, ALLGATHER, REDUCE_SCATTER or REDUCE");
     }
     p->code = (int)code;
     return 0;
@@ -463,20 +482,24 @@ static PyObject *record_end(PyObject *entry, int rc) {
     Py_RETURN_TRUE;
 }
 
-static PyObject *broadcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* The rooted hits: TABLE's plan of CODE for TENSOR (ARGS[0]) with root ARGS[1] on group
+   ARGS[2], recorded as NAME with the root as its peer, then its MPI call with the GIL
+   released. FN names the hit in the argument-count error. */
+static PyObject *rooted_hit(PyObject *table, int code, PyObject *name, const char *fn,
+                            PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "broadcast(tensor, root, group): expected 3 arguments, "
-                     "got %zd", nargs);
+        PyErr_Format(PyExc_TypeError, "%s(tensor, root, group): expected 3 arguments, got %zd",
+                     fn, nargs);
         return NULL;
     }
     if (!PyLong_CheckExact(args[1]))     /* the full path validates anything else */
         Py_RETURN_FALSE;
-    PyObject *plan = find_plan(bplans, args[0]);
+    PyObject *plan = find_plan(table, args[0]);
     if (plan == NULL)
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
     Plan *p = (Plan *)plan;
     PyObject *done = NULL;
-    int eq = Py_IS_TYPE(plan, &PlanType) && p->code == BROADCAST;
+    int eq = Py_IS_TYPE(plan, &PlanType) && p->code == code;
     if (eq) {
         long root = PyLong_AsLong(args[1]);
         eq = root == -1 && PyErr_Occurred() ? -1 : root == p->mpi_peer;
@@ -484,11 +507,15 @@ static PyObject *broadcast(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (eq == 1)
         eq = plan_holds(p, args[0], args[2]);
     if (eq == 1) {
-        PyObject *entry = record_start_peer(p->comm, s_broadcast, p->shape, p->dtype, p->peer);
+        PyObject *entry = record_start_peer(p->comm, name, p->shape, p->dtype, p->peer);
         if (entry != NULL) {
             int rc;
             Py_BEGIN_ALLOW_THREADS
-            rc = MPI_Bcast(p->buf, p->count, p->htype, p->mpi_peer, p->hcomm);
+            if (code == BROADCAST)
+                rc = MPI_Bcast(p->buf, p->count, p->htype, p->mpi_peer, p->hcomm);
+            else      /* REDUCE: the root receives in place, the others send only */
+                rc = MPI_Reduce(p->in, p->in == MPI_IN_PLACE ? p->buf : NULL, p->count,
+                                p->htype, p->hop, p->mpi_peer, p->hcomm);
             Py_END_ALLOW_THREADS
             done = record_end(entry, rc);
         }
@@ -496,6 +523,14 @@ static PyObject *broadcast(PyObject *self, PyObject *const *args, Py_ssize_t nar
         done = Py_NewRef(Py_False);
     Py_DECREF(plan);
     return done;
+}
+
+static PyObject *broadcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return rooted_hit(bplans, BROADCAST, s_broadcast, "broadcast", args, nargs);
+}
+
+static PyObject *reduce_sum(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return rooted_hit(rplans, REDUCE, s_reduce, "reduce_sum", args, nargs);
 }
 
 static PyObject *run_xplan(PyObject *plan, PyObject *tensors, PyObject *group);
@@ -953,10 +988,11 @@ static PyObject *run_pplan(PyObject *plan, long op, PyObject *const *args) {
 }
 
 static PyObject *configure(PyObject *self, PyObject *args) {
-    PyObject *p, *x, *r, *s, *t, *e, *q, *seq, *fut, *cerr, *b;
-    if (!PyArg_ParseTuple(args, "O!O!O!OO!OO!O!OOO!:configure", &PyDict_Type, &p, &PyTuple_Type,
-                          &x, &PyList_Type, &r, &s, &PyList_Type, &t, &e, &PyTuple_Type, &q,
-                          &PyDict_Type, &seq, &fut, &cerr, &PyDict_Type, &b))
+    PyObject *p, *x, *r, *s, *t, *e, *q, *seq, *fut, *cerr, *b, *rd;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!OO!O!OOO!O!:configure", &PyDict_Type, &p,
+                          &PyTuple_Type, &x, &PyList_Type, &r, &s, &PyList_Type, &t, &e,
+                          &PyTuple_Type, &q, &PyDict_Type, &seq, &fut, &cerr, &PyDict_Type, &b,
+                          &PyDict_Type, &rd))
         return NULL;
     if (PyTuple_GET_SIZE(q) != 2 || !PyDict_Check(PyTuple_GET_ITEM(q, 0))
             || !PyDict_Check(PyTuple_GET_ITEM(q, 1)) || !PyCallable_Check(fut)
@@ -986,6 +1022,7 @@ static PyObject *configure(PyObject *self, PyObject *args) {
     Py_XSETREF(future_of, Py_NewRef(fut));
     Py_XSETREF(count_error, Py_NewRef(cerr));
     Py_XSETREF(bplans, Py_NewRef(b));
+    Py_XSETREF(rplans, Py_NewRef(rd));
     Py_RETURN_NONE;
 }
 
@@ -1007,13 +1044,16 @@ static PyMethodDef methods[] = {
     {"broadcast", (PyCFunction)(void (*)(void))broadcast, METH_FASTCALL,
      "broadcast(tensor, root, group) -> bool: run the planned blocking broadcast of TENSOR "
      "from ROOT and return True, or return False (no plan, or it no longer holds)."},
+    {"reduce_sum", (PyCFunction)(void (*)(void))reduce_sum, METH_FASTCALL,
+     "reduce_sum(tensor, root, group) -> bool: run the planned blocking SUM reduce of TENSOR "
+     "onto ROOT and return True, or return False (no plan, or it no longer holds)."},
     {"p2p", (PyCFunction)(void (*)(void))p2p, METH_FASTCALL,
      "p2p(op, tensor, peer, tag, group): run the planned send/recv of TENSOR (op ISEND or "
      "IRECV: return its P2PWork; SEND: True; RECV: the sender's rank), or return False (no "
      "plan, or it no longer holds)."},
     {"configure", configure, METH_VARARGS,
      "configure(plans, xplans, ring, slots, tick, mpi_exception, pplans, p2p_seq, future_of, "
-     "count_error, bplans): what the hits read."},
+     "count_error, bplans, rplans): what the hits read."},
     {"library_version", library_version, METH_NOARGS,
      "MPI_Get_library_version() of the MPI this module was built and linked with."},
     {NULL, NULL, 0, NULL}};
@@ -1024,13 +1064,14 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastpath",
 PyMODINIT_FUNC PyInit__fastpath(void) {
     s_op = PyUnicode_InternFromString("all_reduce");
     s_broadcast = PyUnicode_InternFromString("broadcast");
+    s_reduce = PyUnicode_InternFromString("reduce");
     s_data_ptr = PyUnicode_InternFromString("data_ptr");
     s_numel = PyUnicode_InternFromString("numel");
     s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
     s_dtype = PyUnicode_InternFromString("dtype");
     s_seq = PyUnicode_InternFromString("seq");
     s_mpi = PyUnicode_InternFromString("mpi");
-    if (!s_op || !s_broadcast || !s_data_ptr || !s_numel || !s_is_contiguous || !s_dtype || !s_seq || !s_mpi)
+    if (!s_op || !s_broadcast || !s_reduce || !s_data_ptr || !s_numel || !s_is_contiguous || !s_dtype || !s_seq || !s_mpi)
         return NULL;
     if (PyType_Ready(&P2PWorkType) < 0 || PyType_Ready(&PlanType) < 0)
         return NULL;

@@ -1,6 +1,7 @@
 """Plans: what an op looked up last time for its tensors, so the next call need not.
 
-all_reduce(SUM) plans first, then broadcast plans; the exchange plans (all_to_all_single,
+all_reduce(SUM) plans first, then broadcast and reduce(SUM) plans (the rooted plans); the
+exchange plans (all_to_all_single,
 all_gather, all_to_all) and point-to-point plans below them. Which calls are planned is one
 policy, take's memo (hpcddp.collectives.call): the second call in a row on the same tensors,
 by the path that ran it (its ``plan_<op>``: the MPI path's calls, the list forms' exchange),
@@ -50,8 +51,8 @@ ENV_MODE = "HPCDDP_FASTPATH"
 # and holds a weak reference to it (refs[0]): that tensor's death drops the plan, and a new
 # id() reusing the key finds the reference dead or another object, so the hit refuses it. A
 # full table is cleared: the plans come back on the next calls.
-ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, BROADCAST, ALLGATHER, REDUCE_SCATTER = \
-    range(7)  # _fastpath.c
+ALLTOALLV, SENDRECV, ALLREDUCE, POINT_TO_POINT, BROADCAST, ALLGATHER, REDUCE_SCATTER, REDUCE = \
+    range(8)  # _fastpath.c
 
 
 class PyPlan:
@@ -153,13 +154,46 @@ def make_bplan(tensor, group, comm, arr, root: int) -> None:
 def bhit_py(tensor, root, group) -> bool:
     """Run TENSOR's planned broadcast from ROOT on GROUP and answer True, or answer False when
     there is no plan or it no longer holds (the caller takes the full path)."""
-    plan = _holding(bplans, tensor, group) if type(root) is int else None
+    return _rooted_hit(bplans, "broadcast", tensor, root, group)
+
+
+def _rooted_hit(table: dict, op: str, tensor, root, group) -> bool:
+    plan = _holding(table, tensor, group) if type(root) is int else None
     if plan is not None and plan.peer == root:
-        entry = record(plan.comm, "broadcast", plan.shape, plan.dtype, root)
+        entry = record(plan.comm, op, plan.shape, plan.dtype, root)
         plan.run()
         record_end(entry)
         return True
     return False
+
+
+# -- reduce plans ------------------------------------------------------------------------------
+# A blocking SUM reduce of a tensor reduced before onto the same root on the same group (a
+# step's loss or metrics summed on rank 0): the hit records the op and runs MPI_Reduce, in
+# place on the root (in C: docs/benchmarks.md, "The reduce plan hit").
+rplans: dict = {}     # id(tensor) -> plan
+
+
+def make_rplan(tensor, group, comm, arr, mop, root: int) -> None:
+    """Remember a validated blocking SUM reduce of TENSOR onto group rank ROOT on COMM
+    (reached through GROUP) that MPI's Reduce ran."""
+    if arr.nbytes >= AGREE_BYTES:
+        return           # large calls take the full path, whose record() agrees on the call
+    datatype = datatype_handle(arr)
+    root = int(root)
+    is_root = comm.rank == root
+    prog = None if datatype is None else (REDUCE, MPI._handleof(comm.mpi), datatype,
+                                          MPI._handleof(mop), root, is_root)
+    run = partial(comm.mpi.Reduce, IN_PLACE, arr, mop, root=root) if is_root else \
+        partial(comm.mpi.Reduce, arr, None, mop, root=root)
+    remember(rplans, (tensor,), group, comm, "reduce", tensor.shape, tensor.dtype, run, prog,
+             peer=root)
+
+
+def rhit_py(tensor, root, group) -> bool:
+    """Run TENSOR's planned SUM reduce onto ROOT on GROUP and answer True, or answer False
+    when there is no plan or it no longer holds (the caller takes the full path)."""
+    return _rooted_hit(rplans, "reduce", tensor, root, group)
 
 
 # -- exchange plans ----------------------------------------------------------------------------
@@ -170,7 +204,7 @@ def bhit_py(tensor, root, group) -> bool:
 # checks found; a hit verifies every tensor is the same object with the same memory, element
 # count and contiguity, on the same live communicator, then records the op and runs it.
 A2A_SINGLE, ALL_GATHER, ALL_TO_ALL, ALL_GATHER_TENSOR, REDUCE_SCATTER_TENSOR = range(5)
-PLANNED_OPS = ("all_reduce", "broadcast", "all_to_all_single", "all_gather",
+PLANNED_OPS = ("all_reduce", "broadcast", "reduce", "all_to_all_single", "all_gather",
                "all_to_all", "all_gather_into_tensor",
                "reduce_scatter_tensor")   # + send/recv (C)
 xplans: tuple = ({}, {}, {}, {}, {})   # per kind: id(first tensor of the call) -> plan
@@ -267,7 +301,7 @@ def _load_c():
                       f"({theirs.splitlines()[0]!r}): reinstall hpcddp")
     ring, slots, clock, p2p_seq = _rec.RECORDER.native_writer()
     _fastpath.configure(plans, xplans, ring, slots, clock, MPI.Exception, pplans, p2p_seq,
-                        future_of, count_error, bplans)
+                        future_of, count_error, bplans, rplans)
     return _fastpath, ""
 
 
@@ -281,6 +315,7 @@ else:
 Plan = PyPlan if _c is None else _c.Plan
 hit = hit_py if _c is None else _c.all_reduce_sum
 bhit = bhit_py if _c is None else _c.broadcast
+rhit = rhit_py if _c is None else _c.reduce_sum
 xhit = xhit_py if _c is None else _c.exchange
 phit = _no_phit if _c is None else _c.p2p
 if _c is not None:

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from hpcddp.collectives import _large
 from hpcddp.collectives import engine as _engine
 from hpcddp.collectives._common import CompletedWork, as_array, check_list, same_spec
-from hpcddp.collectives._plans import REDUCE_SCATTER_TENSOR, hit as _plan_hit, xhit as _xhit
+from hpcddp.collectives._plans import (REDUCE_SCATTER_TENSOR, hit as _plan_hit,
+                                       rhit as _reduce_hit, xhit as _xhit)
 from hpcddp.collectives.call import Call, reduce_op, resolve, take
 from hpcddp.collectives.paths import route
 from hpcddp.comm.buffers import DeviceTensor
@@ -69,9 +70,16 @@ def reduce(tensor, dst, op=SUM, group=None, async_op=False):
 
     Rank DST holds op(x_0, ..., x_{n-1}) after; the other ranks' tensors are left as they were.
     """
+    # the plan-hit row: SUM of a tensor reduced before onto DST; blocking whatever async_op,
+    # as all_reduce's
+    if (op is SUM or op == SUM) and not _engine.pending \
+            and not (async_op and _engine.on()) and _reduce_hit(tensor, dst, group):
+        return None if not async_op else CompletedWork([tensor])
     call = _reduction("reduce", tensor, op, group, async_op)
     call.comm.check_rank(dst, "reduce", "dst")
     call.root = dst
+    if call.kind == SUM_KIND:
+        call.memo = (tensor,)       # a SUM is planned on its second call in a row
     return take(_REDUCE, call)
 
 

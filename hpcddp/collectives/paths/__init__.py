@@ -117,7 +117,8 @@ PATHS: dict[str, tuple[Path, ...]] = {
                    ARENA_ROW, HIER_ROW, RING_ROW, _mpi("Allreduce")),
     "broadcast": (_hit(f"the tensor of the two calls before, from the same root, blocking, "
                        f"{BELOW}"), *DEVICE, Path("CMA", RACED, CMA), HIER_ROW, _mpi("Bcast")),
-    "reduce": (*DEVICE, _mpi("Reduce")),
+    "reduce": (_hit(f"SUM of the tensor of the two calls before, onto the same root, blocking, "
+                    f"{BELOW}"), *DEVICE, _mpi("Reduce")),
     "reduce_scatter": (*DEVICE, ARENA_ROW,
                        Path("point-to-point", "the list form, SUM/AVG/PREMUL_SUM, non-bool",
                             LISTS),

@@ -87,6 +87,11 @@ class MPIPath:
             MPI.Request.Waitall(_large.reduce(comm, arr, mop, dst))
 
     @staticmethod
+    def plan_reduce(c):             # a SUM (the op's memo); pieces are never planned
+        if c.arr.size <= _large.MAX_COUNT:
+            _plans.make_rplan(c.tensor, c.group, c.comm, c.arr, c.mop, c.root)
+
+    @staticmethod
     def reduce_scatter_tensor(c):
         # The blocking MPI call, with or without async_op, as all_reduce's: Open MPI's
         # Ireduce_scatter_block + wait took 1.3-1.5x its time below 1 MiB on one node and 2x
