@@ -79,6 +79,18 @@ def _flag(name: str, text: str) -> bool:
     raise SettingsError(f"{name}={text!r}: expected 1 or 0")
 
 
+def _abort_mode(name: str, text: str) -> str:
+    """Abort on exception: on (1), off (0) or auto."""
+    low = text.lower()
+    if low in _ON:
+        return "on"
+    if low in _OFF:
+        return "off"
+    if low == "auto":
+        return "auto"
+    raise SettingsError(f"{name}={text!r}: expected auto, 1 (on) or 0 (off)")
+
+
 def _path_mode(name: str, text: str) -> str:
     """A node-local path's switch: 0 never; auto (or 1) where measured faster; force always."""
     low = text.lower()
@@ -158,6 +170,10 @@ VARS: tuple[Var, ...] = (
     Var("HPCDDP_STALL_POLICY", _choice("abort", "warn"), "abort", "abort, warn",
         "after a stall report: abort the job (exit code 3), or warn and keep waiting",
         "hangs.md"),
+    Var("HPCDDP_ABORT_ON_EXCEPTION", _abort_mode, "auto", "auto, 1/on, 0/off",
+        "auto: a rank whose script ends with an uncaught exception aborts the job instead of "
+        "waiting in MPI's finalize for ranks that wait for it; on: any uncaught exception, also "
+        "in a thread, aborts at once; init(abort_on_exception=) wins", "hangs.md"),
     Var("HPCDDP_PEER_TIMEOUT", _seconds, None, "seconds",
         "how long a rank has to answer the stall report's exchange before it is named "
         "unresponsive (unset: min(5, the timeout))", "hangs.md"),

@@ -93,12 +93,19 @@ PLAIN = [   # (nprocs, phase, target, workers, what, extra env)
     (2, "checkpoint", 0, 1, "rank", {}),
     (3, "arena", 1, 0, "rank", {}),
     (4, "arena", 2, 0, "rank", {"HPCDDP_RANKS_PER_NODE": 2}),   # the hierarchical path
+    # abort on exception at its default, the watchdog's timeout far away: torch's "worker
+    # exited unexpectedly" ends the script, and the rank's exit reports and ends the job
+    (3, "data", 1, 1, "worker", {"OK_ABORT": "default", "HPCDDP_TIMEOUT": 600}),
+    (3, "data", 2, 2, "worker", {"OK_ABORT": "default", "HPCDDP_TIMEOUT": 600}),
 ]
 
 
+def _label(env: dict) -> str:
+    return "-hier" if "HPCDDP_RANKS_PER_NODE" in env else "-default" if env else ""
+
+
 @pytest.mark.parametrize("nprocs,phase,target,workers,what,extra", PLAIN,
-                         ids=[f"{p}-{w}{k}-{n}r{'-hier' if e else ''}"
-                              for n, p, _, k, w, e in PLAIN])
+                         ids=[f"{p}-{w}{k}-{n}r{_label(e)}" for n, p, _, k, w, e in PLAIN])
 def test_plain_job_ends(tmp_path, nprocs, phase, target, workers, what, extra):
     job = _train(tmp_path, nprocs, "plain", phase, target, workers, **extra)
     pid = _kill(job, target, phase, what)
@@ -337,17 +344,24 @@ def test_ranks_end_when_mpirun_is_killed(tmp_path):
     assert not left, left
 
 
+@pytest.mark.parametrize("abort", ["on", "default"])
 @pytest.mark.parametrize("mode", ["plain", "elastic"])
-def test_exception_on_one_rank(tmp_path, mode):
+def test_exception_on_one_rank(tmp_path, mode, abort):
     """One rank's uncaught exception while the others wait for it in the gradient all-reduce
     and catch SIGTERM (a Checkpointer). Plain: the job ends (MPI_Abort), the traceback shown.
     Elastic (``mpirun --with-ft ulfm``, where Open MPI does not reliably pass MPI_Abort on):
-    the rank ends as a lost rank after its traceback, and the others go on without it."""
-    job = _train(tmp_path, 3, mode, "raise", 1)
+    the rank ends as a lost rank after its traceback, and the others go on without it. Abort
+    on exception on (at once), and at its default (at the script's exit; the timeout far
+    away: the job must not wait for it)."""
+    extra = {"OK_ABORT": "default", "HPCDDP_TIMEOUT": 600} if abort == "default" else {}
+    job = _train(tmp_path, 3, mode, "raise", 1, **extra)
     rc, out, _ = _ended_cleanly(job)
-    assert "[rank1] RuntimeError: a bug on rank 1" in out, out[-3000:]
+    assert re.search(r"\[rank1\]:? RuntimeError: a bug on rank 1", out), out[-3000:]
     if mode == "plain":
         assert rc != 0, out[-3000:]
+        if abort == "default":      # reported at once, naming the exception
+            assert "rank 1's script ended with an uncaught exception (RuntimeError: a bug " \
+                   "on rank 1)" in out, out[-3000:]
         return
     assert rc == 0 and "ending this rank as a lost rank" in out, out[-3000:]
     finals = [json.loads(p.read_text()) for p in tmp_path.glob("final.*.json")]

@@ -66,14 +66,18 @@ def _mpi_library() -> tuple[str, str]:
     return text.split(",")[0], text
 
 
-def init(*, abort_on_exception: bool = False,
+def init(*, abort_on_exception: bool | None = None,
          set_cuda_device: bool = True, timeout: float | None = None) -> Runtime:
     """Start MPI (if needed) and hpcddp's world. Idempotent; call on every rank.
 
     MPI is asked for MPI_THREAD_MULTIPLE (``HPCDDP_THREAD_LEVEL`` asks for another level);
     what was granted is in ``Runtime.thread_level``, with a warning if it is lower.
-    abort_on_exception: an uncaught exception on any rank prints its traceback with the
-        rank prefix and aborts the whole job (MPI_Abort) instead of leaving the others waiting.
+    abort_on_exception: True: an uncaught exception on any rank (in any thread) prints its
+        traceback with the rank prefix and aborts the whole job (MPI_Abort) at once instead of
+        leaving the others waiting. None (default): ``HPCDDP_ABORT_ON_EXCEPTION``, by default
+        ``auto``: with more than one rank, a rank whose script ends with an uncaught exception
+        aborts the job at its exit instead of waiting in MPI's finalize. False: neither (the
+        watchdog reports the others' wait after the timeout; docs/hangs.md).
     set_cuda_device: with CUDA, ``torch.cuda.set_device(local_rank % device_count)``.
     timeout: seconds before a stalled op is reported (HPCDDP_TIMEOUT, default 600; 0 turns
         the watchdog off; docs/hangs.md).

@@ -28,16 +28,16 @@ _atexit = False
 
 __all__ = ["CollectiveMismatchError", "FlightRecorder", "RECORDER", "STALL_EXIT_CODE",
            "install_abort_on_exception", "query_ranks", "set_timeout", "shutdown_diagnostics",
-           "on_mpi_start", "start_diagnostics", "watchdog"]
+           "on_mpi_start", "start_diagnostics", "running_watchdog"]
 
 
-def on_mpi_start(rt, timeout=None, abort_on_exception: bool = False) -> None:
+def on_mpi_start(rt, timeout=None, abort_on_exception: bool | None = None) -> None:
     """What hpcddp.comm's start-up runs (hpcddp.ON_MPI_START): the watchdog on RT's world,
-    and abort-on-exception if asked."""
+    and abort on exception as hpcddp.init's ABORT_ON_EXCEPTION says (None: the setting;
+    hpcddp.diagnostics.abort.set_mode)."""
     start_diagnostics(rt.world, rt.topology.hostname, timeout)
-    if abort_on_exception:
-        from hpcddp.diagnostics.abort import install_abort_on_exception
-        install_abort_on_exception()
+    from hpcddp.diagnostics import abort
+    abort.set_mode(abort_on_exception, rt.world.size)
 
 
 def start_diagnostics(world, host: str, timeout=None, base=None):
@@ -77,8 +77,9 @@ def _with_timeout(s, timeout):
                            report_dir=s.report_dir, detail=s.detail, pid_check=s.pid_check)
 
 
-def watchdog():
-    """The running Watchdog (None before init, on one rank, or when disabled)."""
+def running_watchdog():
+    """The running Watchdog (None before init, on one rank, or when disabled). Not named
+    ``watchdog``: importing the submodule of that name replaces such a package attribute."""
     return _watchdog
 
 

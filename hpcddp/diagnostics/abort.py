@@ -1,7 +1,18 @@
 """Abort on exception: one rank's uncaught exception ends the whole job, promptly.
 
 Without it the other ranks wait forever in their next collective (the seeds' most common
-hang). Like ``python -m mpi4py``: print the traceback with the rank prefix, then MPI_Abort;
+hang), and the rank itself in MPI's finalize, which waits for them. Three modes
+(:func:`set_mode`; ``hpcddp.init(abort_on_exception=)``, else ``HPCDDP_ABORT_ON_EXCEPTION``):
+
+- ``auto`` (the default, with more than one rank): an uncaught exception in the main thread
+  is printed as Python prints it, and the rank's exit (:func:`abort_if_the_script_failed`,
+  after the script's own atexit handlers, before the watchdog's last wait for every rank and
+  MPI's finalize) aborts the job;
+- ``on`` (``hpcddp run``, ``init(abort_on_exception=True)``): any uncaught exception, also in
+  a thread, aborts at once;
+- ``off``: neither; the watchdog reports the others' wait after its timeout.
+
+Like ``python -m mpi4py``: print the traceback with the rank prefix, then MPI_Abort;
 in a fault-tolerant job (ULFM), where Open MPI does not reliably pass MPI_Abort on, the rank
 ends itself instead (docs/hangs.md, "A rank killed from outside"). Only in the rank's own process: a forked child (a DataLoader worker) gets Python's hooks back
 and reports its exceptions as Python and torch do, without MPI (hpcddp.launch.process).
@@ -21,6 +32,10 @@ from hpcddp.launch import process
 from hpcddp.launch.env import fault_tolerant_job
 
 _installed = False
+_mode = "off"            # what set_mode decided last
+_explicit = False        # set by an init(abort_on_exception=True/False): later defaults keep it
+_uncaught: list = []     # auto: the main thread's uncaught exception, once Python printed it
+_recording = False
 
 
 ABORT_EXIT_CODE = 1
@@ -30,13 +45,89 @@ OUTPUT_GRACE_S = 0.2
 _hooks_before: list = []          # (sys.excepthook, threading.excepthook) before ours
 
 
-def _abort_with(exc_type, exc, tb) -> None:
+def set_mode(asked, world_size: int) -> None:
+    """Abort on exception as ASKED (True: on, False: off, None: HPCDDP_ABORT_ON_EXCEPTION,
+    unless an explicit choice came before) in a world of WORLD_SIZE ranks (auto acts from
+    2). Run by every hpcddp.init."""
+    global _mode, _explicit
+    if asked is None:
+        if _explicit:
+            return
+        from hpcddp import settings
+        mode = settings.get().abort_on_exception
+    else:
+        mode, _explicit = ("on" if asked else "off"), True
+    _mode = mode
+    if mode == "on":
+        install_abort_on_exception()
+    elif mode == "auto" and world_size > 1:
+        _record_uncaught()
+
+
+def _record_uncaught() -> None:
+    """auto: keep the main thread's uncaught exception for the rank's exit; Python (or the
+    hook before this one) still prints it."""
+    global _recording
+    if _recording:
+        return
+    _recording = True
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if not issubclass(exc_type, SystemExit) and process.in_rank_process():
+            # torch's DataLoader raises its dead-worker error again from its SIGCHLD handler,
+            # inside whatever runs next (this hook, the exit)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _uncaught[:] = [exc]
+        return previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+    # registered after the watchdog's exit (hpcddp.diagnostics.start_diagnostics), so it runs
+    # before it: that one waits for every rank, as MPI's finalize does
+    atexit.register(abort_if_the_script_failed)
+
+
+def abort_if_the_script_failed() -> None:
+    """At the rank's exit: in auto mode, after an uncaught exception, abort the job (the
+    others wait for this rank in their next collective, and this rank's exit would wait for
+    them). Not for a lost rank's error in a fault-tolerant job: hpcddp's exit ends such a rank
+    naming the lost one (hpcddp.comm.startup), and elastic mode has recovered or ends it."""
+    if _mode != "auto" or not _uncaught or not process.in_rank_process():
+        return
+    exc = _uncaught[0]
+    if fault_tolerant_job():
+        from hpcddp.comm.failures import is_process_failure
+        if is_process_failure(exc):
+            return
+    else:
+        _report_first(exc)
+    _abort_with(type(exc), exc, exc.__traceback__, printed=True)
+
+
+def _report_first(exc) -> None:
+    """Have the watchdog report the job's state at once, naming EXC (Watchdog.report_at_exit),
+    and wait while its policy ends the job; back where it found no one waiting (or the
+    policy is warn)."""
+    from hpcddp.diagnostics import running_watchdog
+    wd = running_watchdog()
+    if wd is None:
+        return
+    wd.exit_looked.wait(wd.report_at_exit(
+        f"rank {wd.rank}'s script ended with an uncaught exception "
+        f"({type(exc).__name__}: {exc})"))
+
+
+def _abort_with(exc_type, exc, tb, printed: bool = False) -> None:
+    """Report EXC (its whole traceback, or one line where Python PRINTED it already) and end
+    the job (in a fault-tolerant job: this rank)."""
     from hpcddp.comm import output as _log
     if threading.current_thread() is threading.main_thread():
         # torch's DataLoader raises from its SIGCHLD handler when a worker died: raised
         # again here, it would skip the report below
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    text = "".join(traceback.format_exception(exc_type, exc, tb)) + _dead_loader_workers(exc)
+    lines = (traceback.format_exception_only(exc_type, exc) if printed else
+             traceback.format_exception(exc_type, exc, tb))
+    text = "".join(lines) + _dead_loader_workers(exc)
     try:
         try:
             sys.stdout.flush()
@@ -46,12 +137,18 @@ def _abort_with(exc_type, exc, tb) -> None:
         # StringIO that it prints afterwards: after MPI_Abort there is no afterwards
         out = sys.__stderr__ if isinstance(sys.stderr, io.StringIO) else sys.stderr
         if not fault_tolerant_job():
-            how = f"aborting the job (abort_on_exception; exit code {ABORT_EXIT_CODE})"
+            how = (f"aborting the job (abort_on_exception; exit code {ABORT_EXIT_CODE})"
+                   if not printed else
+                   f"aborting the job, exit code {ABORT_EXIT_CODE} (the other ranks would "
+                   f"wait for this one; HPCDDP_ABORT_ON_EXCEPTION=0 leaves them to the "
+                   f"watchdog)")
         elif _end_whole_job:
             how = f"ending this rank, exit code {ABORT_EXIT_CODE} (every rank meets this error)"
         else:
             how = "ending this rank as a lost rank (a fault-tolerant job: the others see it fail)"
-        _log.log(f"uncaught exception, {how}:\n{text}", file=out)
+        what = "the script ended with an uncaught exception" if printed else \
+            "uncaught exception"
+        _log.log(f"{what}, {how}:\n{text}", file=out)
         time.sleep(OUTPUT_GRACE_S)
     finally:
         from hpcddp.comm._mpi import MPI
@@ -115,7 +212,8 @@ def _restore_hooks_in_child() -> None:
 
 def install_abort_on_exception() -> None:
     """Make an uncaught exception (main thread or any thread) abort the MPI job."""
-    global _installed
+    global _installed, _mode
+    _mode = "on"
     if _installed:
         return
     _installed = True
@@ -123,12 +221,12 @@ def install_abort_on_exception() -> None:
     previous_thread_hook = threading.excepthook
 
     def hook(exc_type, exc, tb):
-        if issubclass(exc_type, SystemExit) or not process.in_rank_process():
+        if _mode != "on" or issubclass(exc_type, SystemExit) or not process.in_rank_process():
             return previous(exc_type, exc, tb)
         _abort_with(exc_type, exc, tb)
 
     def thread_hook(args):
-        if not process.in_rank_process():
+        if _mode != "on" or not process.in_rank_process():
             return previous_thread_hook(args)
         _abort_with(args.exc_type, args.exc_value, args.exc_traceback)
 
@@ -146,7 +244,7 @@ def _abort_if_an_exception_escaped() -> None:
     sys.excepthook" and goes on to exit, and MPI's finalize would wait for the others while
     they wait in their next collective for this rank."""
     exc = getattr(sys, "last_value", None)    # Python sets it for an uncaught exception only
-    if exc is None or not process.in_rank_process():
+    if _mode != "on" or exc is None or not process.in_rank_process():
         return
     _abort_with(type(exc), exc, exc.__traceback__)
 

@@ -300,10 +300,10 @@ def _outside_the_group(s: dict, op: dict, key, seq: int, kinds: set) -> str:
     g = _last_on(s, key)
     done = (g or {}).get("seq") or 0
     st = _status(s, None, not_on=key)
-    if "finalize" in st:
-        kinds.add("finalize")
-    elif "uncaught exception" in st:
+    if "uncaught exception" in st:       # in finalize or not: the exception is why
         kinds.add("exception")
+    elif "finalize" in st:
+        kinds.add("finalize")
     elif st.startswith("in Python"):
         kinds.add("python")
     else:
@@ -429,9 +429,10 @@ _HINT = {
     "dead": "A dead rank was killed (signal, out-of-memory killer, segfault, node failure): "
             "look at the scheduler's log and `dmesg` on its host; the survivors cannot go on "
             "without it.",
-    "exception": "A rank is exiting after an uncaught exception while the others wait for it: "
-                 "start with `hpcddp run` or `hpcddp.init(abort_on_exception=True)` to end the "
-                 "job at once with that traceback.",
+    "exception": "A rank's script ended with an uncaught exception while the others wait for "
+                 "it: its traceback is above in its output; fix the exception. (By default the "
+                 "rank reports this at once and the job ends; with HPCDDP_ABORT_ON_EXCEPTION=0 "
+                 "or hpcddp.init(abort_on_exception=False) only the timeout ends it.)",
     "finalize": "A rank reached the end of its script while others still wait in a "
                 "collective: it made fewer collective calls than they did (a collective "
                 "skipped under a rank-dependent condition, a loop with a rank-dependent length, "

@@ -79,6 +79,8 @@ class Watchdog:
         self._stopping = False
         self._errors = 0
         self._dead_seen: set = set()
+        self._exit_reason = None    # report_at_exit's: this rank's script failed, report now
+        self.exit_looked = threading.Event()     # ... and the report (if any) is written
         self.reports = 0
         self.thread = threading.Thread(target=self._run, name="hpcddp-watchdog", daemon=True)
 
@@ -105,6 +107,19 @@ class Watchdog:
             self.diag.Free()
         except MPI.Exception:
             pass
+
+    def report_at_exit(self, reason: str) -> float:
+        """This rank's script has ended with an uncaught exception (REASON) while the others
+        may wait for it: the watchdog's thread asks every rank and reports the job's state
+        now, as for a stall, not after the timeout (the report names what the others wait in
+        and, where their flight recorders differ, the culprit), and its policy ends the job.
+        This rank shows as in hpcddp's finalize. Returns the seconds that takes at most;
+        ``exit_looked`` is set once the report is written or nothing was found to report
+        (no rank waits in a call): the caller then ends the job itself."""
+        _rec.RECORDER.add([self.world.seq, "finalize", self.world, None, None, None,
+                           _rec._now(), 0.0])
+        self._exit_reason = reason
+        return 2 * self.settings.poll + self.settings.peer_timeout + 1.0
 
     def set_timeout(self, timeout: float | None) -> None:
         s = self.settings
@@ -254,6 +269,14 @@ class Watchdog:
 
     def _check(self) -> None:
         now = time.monotonic()
+        if self._exit_reason is not None:       # report_at_exit: this rank reports, once
+            if not self.exit_looked.is_set():
+                if self.multiple:
+                    self._report(self._exit_reason, now)
+                else:
+                    self._report_local(self._exit_reason)
+                self.exit_looked.set()
+            return
         self._watch_network(now)
         local = self.local_stall(now)
         with self._lock:

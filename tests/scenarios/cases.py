@@ -77,7 +77,28 @@ CASES = [
              r"\[rank2\] ValueError: corrupt sample in batch 3",
              r"MPI_ABORT was invoked on rank 2",
          )),
-    Case("exception_no_abort", "exception_rank.py", 4, expect=(
+    # the default (HPCDDP_ABORT_ON_EXCEPTION=auto): rank 2's exit reports at once, long
+    # before the timeout, and the report's abort ends the job
+    *(Case(f"exception_default_{api}", "exception_rank.py", 4, args=(mode,),
+           env={"HPCDDP_TIMEOUT": "600"}, bound=10.0, expect=(
+               r"rank 2 writes it: rank 2's script ended with an uncaught exception "
+               r"\(ValueError: corrupt sample in batch 3\)",
+               r"ranks 0,1,3 have waited [\d.]+ s in all_reduce #3 \(shape=\[8\], float32\) on "
+               r"WORLD",
+               r"rank 2 has not called all_reduce #3 on WORLD: it is in hpcddp's finalize: its "
+               r"script has ended after an uncaught exception \(ValueError: corrupt sample in "
+               r"batch 3\)",
+               r"\[rank2\]:? ValueError: corrupt sample in batch 3",
+           )) for api, mode in (("hpcddp", "default"), ("torch", "torch"))),
+    Case("exception_default_others_computing", "exception_rank.py", 4,
+         args=("default-computing",), env={"HPCDDP_TIMEOUT": "600"}, bound=10.0, rc=(1,),
+         report=False, no_report=True, expect=(
+             r"\[rank2\] the script ended with an uncaught exception, aborting the job, exit "
+             r"code 1",
+             r"\[rank2\] ValueError: corrupt sample in batch 3",
+             r"MPI_ABORT was invoked on rank 2",
+         )),
+    Case("exception_no_abort", "exception_rank.py", 4, args=("no-abort",), expect=(
         r"ranks 0,1,3 have waited [\d.]+ s in all_reduce #3 \(shape=\[8\], float32\) on WORLD",
         r"rank 2 has not called all_reduce #3 on WORLD: it is in hpcddp's finalize: its script "
         r"has ended after an uncaught exception \(ValueError: corrupt sample in batch 3\)",

@@ -1,8 +1,13 @@
 """An exception on one rank (rank 2 of 4) at step 3 while the others go on to all_reduce.
 
 argv[1] == "abort": hpcddp.init(abort_on_exception=True): the job ends at once, exit code 1,
-with rank 2's traceback. Otherwise rank 2's script ends with the exception (Python prints it
-and runs hpcddp's finalize) while the others wait in all_reduce: the stall report names it.
+with rank 2's traceback. "no-abort": hpcddp.init(abort_on_exception=False): rank 2's script
+ends with the exception (Python prints it and runs hpcddp's finalize) while the others wait
+in all_reduce: the stall report names it after the timeout. "default" (hpcddp.init()) and
+"torch" (dist.init_process_group("hpcddp") only, as a user's torch script): abort on
+exception's default (auto): rank 2's exit reports at once, naming it, and the job ends.
+"default-computing": as "default", the others computing (not in a call) when rank 2 fails:
+its exit ends the job with its own line.
 argv[1] == "abort-hook-raises": as "abort", with an excepthook in front of hpcddp's that raises
 before it calls hpcddp's (as torch's DataLoader does when a worker dies: its SIGCHLD handler
 raises inside whichever hook runs): the job still ends at once, naming the exception.
@@ -14,10 +19,16 @@ import torch
 
 import hpcddp
 
-mode = sys.argv[1] if len(sys.argv) > 1 else ""
-rt = hpcddp.init(abort_on_exception=mode.startswith("abort"))
-rank = rt.world.rank
-bad = min(2, rt.world.size - 1)
+mode = sys.argv[1] if len(sys.argv) > 1 else "no-abort"
+if mode == "torch":
+    import torch.distributed as dist
+    dist.init_process_group("hpcddp")
+    rank, size, all_reduce = dist.get_rank(), dist.get_world_size(), dist.all_reduce
+else:
+    rt = hpcddp.init(abort_on_exception=True if mode.startswith("abort") else
+                     False if mode == "no-abort" else None)
+    rank, size, all_reduce = rt.world.rank, rt.world.size, hpcddp.all_reduce
+bad = min(2, size - 1)
 if mode == "abort-hook-raises":
     hpcddp_hook = sys.excepthook
 
@@ -37,5 +48,7 @@ def load_batch(step):
 
 for step in range(1, 6):
     batch = load_batch(step)
-    hpcddp.all_reduce(batch)
+    if mode == "default-computing" and step == 3:
+        time.sleep(60)                  # computing when rank 2 fails
+    all_reduce(batch)
 print(f"[rank{rank}] done", flush=True)
