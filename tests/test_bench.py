@@ -677,6 +677,40 @@ def test_rst_plan_ab_table_is_the_runs():
            f"{min(slow):.0f}-{max(slow):.0f} µs in others" in section
 
 
+def test_reduce_plan_ab_table_is_the_runs():
+    """docs/benchmarks.md ("The reduce plan hit") quotes the A/B saved in
+    docs/benchmarks/reduce-plan-ab/: each job-median ratio of its table, all_reduce's new/old
+    range beside it, and the headline."""
+    ab, section = _ab_quoted("reduce-plan-ab", "**The reduce plan hit.**")
+    for version in ("old", "new"):
+        got = ab.comm(version)
+        for label, key in (("direct", "dratio"), ("`dist.reduce`", "ratio")):
+            bold = "**" if version == "new" and label == "direct" else ""
+            row = " | ".join(f"{bold}{got['reduce', size, key]:.2f}{bold}"
+                             for size in (8, 1024, 65536, 262144, 1 << 20))
+            assert f"| {label}, {version} | {row} |" in section, (label, version, row)
+    old, new = ab.comm("old"), ab.comm("new")
+    r = [new[k] / old[k] for k in old if k[0] == "all_reduce" and k[2] in ("ratio", "dratio")]
+    assert f"all_reduce beside it: new/old {min(r):.2f}-{max(r):.2f}" in section, r
+
+
+def test_ddp_rerun_after_the_ring_halves_is_the_run():
+    """docs/benchmarks.md's rerun of DDP across 2 virtual nodes quotes its saved JSON."""
+    with open(os.path.join(DOCS, "benchmarks", "ddp-vcluster-after-halves", "ddp-2x1.json")) as f:
+        run = json.load(f)
+    m, ov = run["models"][0], run["overlap"]
+    r, st, bound = m["ratios"], m["stats"], m["bound_steps_per_s"]
+    hg = r["hpcddp/gloo"]
+    section = _section("Rerun on 2026-11-28 after the ring's races moved to 256 KiB")
+    assert f"hpcddp/gloo {hg['median']:.2f} ({hg['q1']:.2f}-{hg['q3']:.2f}), hpcddp " \
+           f"{st['hpcddp']['steps_per_s'] / bound:.2f} of the bound, gloo " \
+           f"{st['gloo']['steps_per_s'] / bound:.2f}, overlap {ov['hpcddp']['overlap']:.2f} " \
+           f"(gloo {ov['gloo']['overlap']:.2f})" in section
+    assert f"({st['compute']['steps_per_s']:.1f} steps/s" in section
+    assert f"{r['hpcddp_comm_ms']['median']:.0f} ms against gloo's " \
+           f"{r['gloo_comm_ms']['median']:.0f}" in section
+
+
 def test_dispatch_vcluster_ab_figures_are_the_runs():
     """docs/benchmarks.md quotes the cross-node A/B saved in docs/benchmarks/dispatch-vcluster-ab/:
     new/old busbw from 1 MiB per layout, and reduce_scatter_tensor's gap to gloo at 2 x 1."""
