@@ -56,6 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_demo_arguments(parser)
 
 
+# what the demo imports beyond hpcddp's own requirements: the `demo` extra
+EXTRA = (("sklearn", "scikit-learn"), ("PIL", "pillow"))
+
+
+def missing_extra() -> list[str]:
+    """The demo extra's packages that cannot be imported here."""
+    import importlib.util
+    return [dist for module, dist in EXTRA if importlib.util.find_spec(module) is None]
+
+
 def run(args) -> int:
     import sys
 
@@ -66,6 +76,11 @@ def run(args) -> int:
         cfg = from_args(args)
     except ValueError as exc:
         print(exc, file=sys.stderr)
+        return 2
+    missing = missing_extra()
+    if missing:       # before any rank starts: every rank would fail alike, mid-job
+        print(f"hpcddp demo: needs {' and '.join(missing)} (its data set and images), not "
+              f"installed here: pip install 'hpcddp[demo]'", file=sys.stderr)
         return 2
     for name in ("nprocs", "ranks_per_node"):
         value = getattr(args, name)

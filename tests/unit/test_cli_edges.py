@@ -120,3 +120,15 @@ def test_usage_errors_are_one_line(capsys, argv, says):
         status = exc.code
     err = capsys.readouterr().err
     assert status == 2 and err.startswith(says) and err.count("\n") == 1, err
+
+
+def test_demo_without_its_extra_names_the_install(capsys, monkeypatch, tmp_path):
+    """`hpcddp demo` where scikit-learn or pillow is missing (a `pip install hpcddp` without
+    the `demo` extra): one line naming the extra, exit 2, before any rank starts."""
+    from hpcddp.cli import demo
+    monkeypatch.setattr(demo, "EXTRA", (("sklearn", "scikit-learn"),
+                                        ("no_such_module_for_this_test", "pillow")))
+    assert main(["demo", "--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert "hpcddp demo: needs pillow" in err and "pip install 'hpcddp[demo]'" in err, err
+    assert not (tmp_path / "w").exists()
