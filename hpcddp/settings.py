@@ -171,9 +171,10 @@ VARS: tuple[Var, ...] = (
         "after a stall report: abort the job (exit code 3), or warn and keep waiting",
         "hangs.md"),
     Var("HPCDDP_ABORT_ON_EXCEPTION", _abort_mode, "auto", "auto, 1/on, 0/off",
-        "auto: a rank whose script ends with an uncaught exception aborts the job instead of "
-        "waiting in MPI's finalize for ranks that wait for it; on: any uncaught exception, also "
-        "in a thread, aborts at once; init(abort_on_exception=) wins", "hangs.md"),
+        "auto: a rank whose script ends with an uncaught exception (or sys.exit(non-zero)) "
+        "reports and ends the job instead of waiting at its exit for ranks that wait for it; "
+        "on: any uncaught exception, also in a thread, aborts at once; "
+        "init(abort_on_exception=) wins", "hangs.md"),
     Var("HPCDDP_PEER_TIMEOUT", _seconds, None, "seconds",
         "how long a rank has to answer the stall report's exchange before it is named "
         "unresponsive (unset: min(5, the timeout))", "hangs.md"),

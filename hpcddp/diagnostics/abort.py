@@ -5,9 +5,10 @@ hang), and the rank itself in MPI's finalize, which waits for them. Three modes
 (:func:`set_mode`; ``hpcddp.init(abort_on_exception=)``, else ``HPCDDP_ABORT_ON_EXCEPTION``):
 
 - ``auto`` (the default, with more than one rank): an uncaught exception in the main thread
-  is printed as Python prints it, and the rank's exit (:func:`abort_if_the_script_failed`,
-  after the script's own atexit handlers, before the watchdog's last wait for every rank and
-  MPI's finalize) aborts the job;
+  is printed as Python prints it (a ``sys.exit`` with a non-zero code counts alike), and the
+  rank's exit (:func:`abort_if_the_script_failed`, after the script's own atexit handlers,
+  before the watchdog's last wait for every rank and MPI's finalize) reports and ends the
+  job;
 - ``on`` (``hpcddp run``, ``init(abort_on_exception=True)``): any uncaught exception, also in
   a thread, aborts at once;
 - ``off``: neither; the watchdog reports the others' wait after its timeout.
@@ -82,6 +83,17 @@ def _record_uncaught() -> None:
         return previous(exc_type, exc, tb)
 
     sys.excepthook = hook
+    previous_exit = sys.exit
+
+    def exit_(status=None):
+        # a script's sys.exit(1) on one rank is its error exit: the others wait for it as for
+        # an exception (raise SystemExit and exit() are not seen)
+        if status not in (None, 0) and process.in_rank_process() and \
+                threading.current_thread() is threading.main_thread():
+            _uncaught[:] = [SystemExit(status)]
+        previous_exit(status)
+
+    sys.exit = exit_
     # registered after the watchdog's exit (hpcddp.diagnostics.start_diagnostics), so it runs
     # before it: that one waits for every rank, as MPI's finalize does
     atexit.register(abort_if_the_script_failed)
@@ -112,9 +124,14 @@ def _report_first(exc) -> None:
     wd = running_watchdog()
     if wd is None:
         return
-    wd.exit_looked.wait(wd.report_at_exit(
-        f"rank {wd.rank}'s script ended with an uncaught exception "
-        f"({type(exc).__name__}: {exc})"))
+    wd.exit_looked.wait(wd.report_at_exit(f"rank {wd.rank}'s script ended {_ended(exc)}"))
+
+
+def _ended(exc) -> str:
+    """How the script ended: 'with sys.exit(2)', 'with an uncaught exception (E: text)'."""
+    if isinstance(exc, SystemExit):
+        return f"with sys.exit({exc.code!r})"
+    return f"with an uncaught exception ({type(exc).__name__}: {exc})"
 
 
 def _abort_with(exc_type, exc, tb, printed: bool = False) -> None:
@@ -125,7 +142,8 @@ def _abort_with(exc_type, exc, tb, printed: bool = False) -> None:
         # torch's DataLoader raises from its SIGCHLD handler when a worker died: raised
         # again here, it would skip the report below
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    lines = (traceback.format_exception_only(exc_type, exc) if printed else
+    lines = ([] if isinstance(exc, SystemExit) else
+             traceback.format_exception_only(exc_type, exc) if printed else
              traceback.format_exception(exc_type, exc, tb))
     text = "".join(lines) + _dead_loader_workers(exc)
     try:
@@ -146,9 +164,10 @@ def _abort_with(exc_type, exc, tb, printed: bool = False) -> None:
             how = f"ending this rank, exit code {ABORT_EXIT_CODE} (every rank meets this error)"
         else:
             how = "ending this rank as a lost rank (a fault-tolerant job: the others see it fail)"
-        what = "the script ended with an uncaught exception" if printed else \
-            "uncaught exception"
-        _log.log(f"{what}, {how}:\n{text}", file=out)
+        what = ("uncaught exception" if not printed else
+                f"the script ended with sys.exit({exc.code!r})" if isinstance(exc, SystemExit)
+                else "the script ended with an uncaught exception")
+        _log.log(f"{what}, {how}" + (f":\n{text}" if text else ""), file=out)
         time.sleep(OUTPUT_GRACE_S)
     finally:
         from hpcddp.comm._mpi import MPI

@@ -98,6 +98,12 @@ CASES = [
              r"\[rank2\] ValueError: corrupt sample in batch 3",
              r"MPI_ABORT was invoked on rank 2",
          )),
+    Case("exit_default", "exception_rank.py", 4, args=("exit",), env={"HPCDDP_TIMEOUT": "600"},
+         bound=10.0, expect=(
+             r"rank 2 writes it: rank 2's script ended with sys\.exit\(4\)",
+             r"rank 2 has not called all_reduce #3 on WORLD: it is in hpcddp's finalize: its "
+             r"script has ended",
+         )),
     Case("exception_no_abort", "exception_rank.py", 4, args=("no-abort",), expect=(
         r"ranks 0,1,3 have waited [\d.]+ s in all_reduce #3 \(shape=\[8\], float32\) on WORLD",
         r"rank 2 has not called all_reduce #3 on WORLD: it is in hpcddp's finalize: its script "

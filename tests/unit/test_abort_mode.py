@@ -72,3 +72,23 @@ def test_auto_records_the_main_threads_exception_only_in_the_rank():
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "True [] [ValueError('bad batch')]", res.stdout
     assert "ValueError: bad batch" in res.stderr and "ZeroDivisionError" in res.stderr
+
+
+def test_auto_counts_a_non_zero_sys_exit_as_the_scripts_failure():
+    res = _run("""
+        import sys
+        from hpcddp.launch import process
+        from hpcddp.diagnostics import abort
+        process.own()
+        abort.set_mode(None, 2)
+        seen = []
+        for code in (0, None, 3):
+            try:
+                sys.exit(code)
+            except SystemExit:
+                seen.append([repr(e) for e in abort._uncaught])
+        print(seen, flush=True)
+        abort._uncaught.clear()
+    """)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[[], [], ['SystemExit(3)']]", res.stdout
