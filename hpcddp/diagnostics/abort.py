@@ -5,8 +5,8 @@ hang), and the rank itself in MPI's finalize, which waits for them. Three modes
 (:func:`set_mode`; ``hpcddp.init(abort_on_exception=)``, else ``HPCDDP_ABORT_ON_EXCEPTION``):
 
 - ``auto`` (the default, with more than one rank): an uncaught exception in the main thread
-  is printed as Python prints it (a ``sys.exit`` with a non-zero code counts alike), and the
-  rank's exit (:func:`abort_if_the_script_failed`, after the script's own atexit handlers,
+  is printed as Python prints it (a ``sys.exit`` with a non-zero code counts alike where
+  another rank waits in a call for this one), and the rank's exit (:func:`abort_if_the_script_failed`, after the script's own atexit handlers,
   before the watchdog's last wait for every rank and MPI's finalize) reports and ends the
   job;
 - ``on`` (``hpcddp run``, ``init(abort_on_exception=True)``): any uncaught exception, also in
@@ -111,20 +111,23 @@ def abort_if_the_script_failed() -> None:
         from hpcddp.comm.failures import is_process_failure
         if is_process_failure(exc):
             return
-    else:
-        _report_first(exc)
+    elif not _report_first(exc) and isinstance(exc, SystemExit):
+        # no rank waits in a call for this one: a script's sys.exit(2) on every rank (a CLI's
+        # error exit) ends as Python ends it, with its code
+        return
     _abort_with(type(exc), exc, exc.__traceback__, printed=True)
 
 
-def _report_first(exc) -> None:
+def _report_first(exc) -> bool:
     """Have the watchdog report the job's state at once, naming EXC (Watchdog.report_at_exit),
-    and wait while its policy ends the job; back where it found no one waiting (or the
-    policy is warn)."""
+    and wait while its policy ends the job; back where it found no one waiting (False) or
+    the policy is warn (True)."""
     from hpcddp.diagnostics import running_watchdog
     wd = running_watchdog()
     if wd is None:
-        return
+        return False
     wd.exit_looked.wait(wd.report_at_exit(f"rank {wd.rank}'s script ended {_ended(exc)}"))
+    return wd.exit_stalled
 
 
 def _ended(exc) -> str:

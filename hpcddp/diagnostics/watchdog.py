@@ -81,6 +81,7 @@ class Watchdog:
         self._dead_seen: set = set()
         self._exit_reason = None    # report_at_exit's: this rank's script failed, report now
         self.exit_looked = threading.Event()     # ... and the report (if any) is written
+        self.exit_stalled = False                # ... where the others wait for this rank
         self.reports = 0
         self.thread = threading.Thread(target=self._run, name="hpcddp-watchdog", daemon=True)
 
@@ -272,9 +273,10 @@ class Watchdog:
         if self._exit_reason is not None:       # report_at_exit: this rank reports, once
             if not self.exit_looked.is_set():
                 if self.multiple:
-                    self._report(self._exit_reason, now)
+                    self.exit_stalled = self._report(self._exit_reason, now)
                 else:
                     self._report_local(self._exit_reason)
+                    self.exit_stalled = True
                 self.exit_looked.set()
             return
         self._watch_network(now)
@@ -346,20 +348,23 @@ class Watchdog:
                            "pid_state": pid_state(self.pids[r]) if same else "unknown"}
         return dict(box), gone
 
-    def _report(self, reason: str, now: float) -> None:
+    def _report(self, reason: str, now: float) -> bool:
+        """Ask every rank, and report where the job is stuck (then the policy acts). Returns
+        whether it was."""
         snaps, gone = self.query(list(range(self.size)), self.settings.peer_timeout)
         if self._stopping:
-            return
+            return False
         self._suspect.update(gone)
         analysis = _report.analyse(snaps, gone, self.size)
         if not analysis["stall"]:
             # e.g. ranks wait in finalize for one still running Python: slow, not stuck
             self._quiet_until = time.monotonic() + (self.settings.timeout or 0.0)
-            return
+            return False
         text = _report.render(snaps, gone, self.size, timeout=self.settings.timeout or 0.0,
                               policy=self.settings.policy, job=self.job, reporter=self.rank,
                               reason=reason, analysis=analysis)
         self._emit(text)
+        return True
 
     def _report_local(self, reason: str) -> None:
         snap = self._snapshot()
