@@ -1,7 +1,7 @@
 """The speed paths `hpcddp bench` led to, checked for correctness in a real 2- and 3-rank job:
 
 - all_reduce plans (hpcddp.collectives._plans), with the C hit and the Python one (and the
-  rooted ones: broadcast, SUM reduce): a plan must
+  rooted ones: broadcast, SUM reduce, gather, scatter): a plan must
   never outlive what it describes (tensor resized, memory swapped, another group, a freed
   group, another op, a dead tensor whose id is reused, async and blocking, direct API and
   torch.distributed on the same tensor), and a hit is recorded like any op;
@@ -206,6 +206,47 @@ SCRIPT = textwrap.dedent(r'''
     dist.reduce(q, 0, group=sub); same(q, want, "reduce on another group")
     dist.reduce(q, 0, group=sub); assert _plans.rhit(q, 0, None) is False, \
         "the world hit the sub group's plan"
+
+    # -- gather and scatter plans: the same tensors again, to (from) the same root ----------------
+    from hpcddp.collectives._plans import GATHER, SCATTER
+    for dtype in (torch.float32, torch.int64):
+        x = torch.arange(6, dtype=dtype) * (r + 1)
+        for root in (0, n - 1):
+            glist = [torch.empty(6, dtype=dtype) for _ in range(n)] if r == root else None
+            slist = [torch.full((6,), float(10 * j + root)).to(dtype) for j in range(n)] \
+                if r == root else None
+            got = torch.empty(6, dtype=dtype)
+            for i in range(4):                # planned on the second call, hit from the third
+                x.add_(1)
+                ref = [torch.empty(6, dtype=dtype) for _ in range(n)]
+                dist.all_gather(ref, x, group=G)
+                hpcddp.gather(x, glist, root)
+                if r == root:
+                    for j in range(n):
+                        same(glist[j], ref[j], f"gather {dtype} root {root} #{i} block {j}")
+                dist.scatter(got, slist, root)
+                same(got, torch.full((6,), float(10 * r + root)).to(dtype),
+                     f"scatter {dtype} root {root} #{i}")
+                if r == root:
+                    slist[r].add_(0)          # the same tensors: still planned
+            gkey = id(x)
+            assert gkey in _plans.xplans[GATHER], f"gather made no plan ({dtype}, root {root})"
+            assert id(got) in _plans.xplans[SCATTER], "scatter made no plan"
+    seq = world.seq
+    tensors = (x, *glist) if r == n - 1 else (x,)
+    assert _plans.rooted_xhit(GATHER, tensors, n - 1, None) is True, "no gather hit"
+    hit = [e for e in REC.RECORDER.buf
+           if e is not None and e[REC.GROUP] is world and e[REC.SEQ] == seq + 1][-1]
+    assert hit[REC.OP] == "gather" and hit[REC.PEER] == n - 1, hit     # recorded with its root
+    assert _plans.rooted_xhit(GATHER, tensors, 0, None) is (n == 1), "another root hit"
+    y = torch.zeros(6, dtype=torch.int64)       # a tensor of its own: the full path, planned anew
+    ref = [torch.empty(6, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(ref, y + r, group=G)
+    y.add_(r)
+    glist2 = [torch.empty(6, dtype=torch.int64) for _ in range(n)] if r == 0 else None
+    hpcddp.gather(y, glist2, 0)
+    if r == 0:
+        assert all(torch.equal(a, b) for a, b in zip(glist2, ref)), "gather of a new tensor"
 
     # -- list forms ------------------------------------------------------------------------
     for count in (1, 5, 70000):

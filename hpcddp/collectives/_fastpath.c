@@ -577,7 +577,8 @@ static PyObject *run_xplan(PyObject *plan, PyObject *tensors, PyObject *group) {
     if (eq == 0)
         Py_RETURN_FALSE;
     /* the plan holds: these objects, this memory, these sizes, this live communicator */
-    PyObject *entry = record_start(p->comm, p->op, p->shape, p->dtype);
+    /* the root of a gather or scatter as its peer (None for the others) */
+    PyObject *entry = record_start_peer(p->comm, p->op, p->shape, p->dtype, p->peer);
     if (entry == NULL)
         return NULL;
     int rc = MPI_SUCCESS;

@@ -96,6 +96,46 @@ def plan(kind: int, c) -> None:
     _plans.make_xplan(kind, c.memo, c.group, comm, c.name, ref.shape, ref.dtype, run, prog)
 
 
+def plan_rooted(kind: int, c) -> None:
+    """Plan the blocking gather or scatter C (KIND _plans.GATHER or SCATTER) that ran here:
+    the root's copy of its own block, then one step per other rank that receives (gather) or
+    sends (scatter) its block, straight into or from its tensor of the list; another rank's
+    one step sends (gather) or receives (scatter) its tensor. The C program is SENDRECV's,
+    with MPI_PROC_NULL on the side a step leaves empty."""
+    comm, root, arr = c.comm, c.root, c.arr
+    side, r = side_comm(comm), comm.rank
+    gather_ = kind == _plans.GATHER
+    if arr.size > _large.MAX_COUNT:
+        return
+    if r == root:
+        views = c.views
+        own = None
+        if c.tensors[r].data_ptr() != c.tensor.data_ptr():
+            own = (views[r], arr) if gather_ else (arr, views[r])
+        steps = [(j, views[j]) for j in range(comm.size) if j != r]
+
+        def run():
+            if own is not None:
+                np.copyto(*own)
+            for j, v in steps:
+                (side.Recv if gather_ else side.Send)(v, j, TAG)
+        table = [own[0].ctypes.data, own[1].ctypes.data, own[0].nbytes] if own else [0, 0, 0]
+        null = MPI.PROC_NULL
+        for j, v in steps:
+            table += ([0, 0, null, v.ctypes.data, v.size, j] if gather_ else
+                      [v.ctypes.data, v.size, j, 0, 0, null])
+    else:
+        def run():
+            (side.Send if gather_ else side.Recv)(arr, root, TAG)
+        table = [0, 0, 0] + ([arr.ctypes.data, arr.size, root, 0, 0, MPI.PROC_NULL] if gather_
+                             else [0, 0, MPI.PROC_NULL, arr.ctypes.data, arr.size, root])
+    datatype = _plans.datatype_handle(arr)
+    prog = None if datatype is None else (_plans.SENDRECV, MPI._handleof(side), datatype,
+                                          array("q", table).tobytes(), TAG)
+    _plans.make_xplan(kind, c.memo, c.group, comm, c.name, c.shape, c.dtype, run, prog,
+                      root=root)
+
+
 def all_gather(c):
     """all_gather Call C, validated: n tensors (``views``: their as_array views), tensor's
     dtype, tensor's element count; ``arr`` is tensor's view."""

@@ -203,17 +203,19 @@ def rhit_py(tensor, root, group) -> bool:
 # `python -m hpcddp.bench.dispatch`, docs/benchmarks.md). A plan keeps, per call, what those
 # checks found; a hit verifies every tensor is the same object with the same memory, element
 # count and contiguity, on the same live communicator, then records the op and runs it.
-A2A_SINGLE, ALL_GATHER, ALL_TO_ALL, ALL_GATHER_TENSOR, REDUCE_SCATTER_TENSOR = range(5)
+A2A_SINGLE, ALL_GATHER, ALL_TO_ALL, ALL_GATHER_TENSOR, REDUCE_SCATTER_TENSOR, GATHER, \
+    SCATTER = range(7)
 PLANNED_OPS = ("all_reduce", "broadcast", "reduce", "all_to_all_single", "all_gather",
-               "all_to_all", "all_gather_into_tensor",
-               "reduce_scatter_tensor")   # + send/recv (C)
-xplans: tuple = ({}, {}, {}, {}, {})   # per kind: id(first tensor of the call) -> plan
+               "all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor", "gather",
+               "scatter")   # + send/recv (C)
+xplans: tuple = ({}, {}, {}, {}, {}, {}, {})  # per kind: id(first tensor of the call) -> plan
 # an exchange plan's program (what the C hit runs; None: only the Python hit runs the plan):
 #   (ALLTOALLV, comm, datatype, int32 [send counts, send displs, recv counts, recv displs],
 #       0): MPI_Ialltoallv + MPI_Wait from the call's tensor 1 into its tensor 0
 #   (SENDRECV, comm, datatype, int64 [copy dst, copy src, copy bytes, then per step: send
 #       pointer, count, dst, recv pointer, count, src], tag): the own-block memcpy, then
-#       MPI_Sendrecv steps with the tag (hpcddp.collectives._lists._exchange)
+#       MPI_Sendrecv steps with the tag (hpcddp.collectives._lists._exchange; gather and
+#       scatter: the root's steps receive or send only, with MPI_PROC_NULL on the other side)
 #   (ALLGATHER, comm, datatype, count): MPI_Allgather of COUNT elements from the call's tensor 1
 #       into its tensor 0 (all_gather_into_tensor)
 #   (REDUCE_SCATTER, comm, datatype, count, op): MPI_Reduce_scatter_block of
@@ -222,13 +224,20 @@ xplans: tuple = ({}, {}, {}, {}, {})   # per kind: id(first tensor of the call) 
 
 
 def make_xplan(kind: int, tensors: tuple, group, comm, op: str, shape, dtype, run,
-               prog) -> None:
+               prog, root=None) -> None:
     """Remember a validated blocking call of KIND on TENSORS (in the call's order) reached
-    through GROUP: RUN() does its MPI work in Python, PROG (or None) in C."""
+    through GROUP: RUN() does its MPI work in Python, PROG (or None) in C; ROOT: gather's and
+    scatter's (the hit's caller compares it: :func:`rooted_xhit`; the record carries it)."""
     if shape is not None and math.prod(shape) * dtype.itemsize >= AGREE_BYTES:
         return    # large calls take the full path, whose record() agrees on the call (SHAPE,
         #           DTYPE: what it records)
-    remember(xplans[kind], tensors, group, comm, op, shape, dtype, run, prog)
+    remember(xplans[kind], tensors, group, comm, op, shape, dtype, run, prog, peer=root)
+
+
+def rooted_xhit(kind: int, tensors: tuple, root, group) -> bool:
+    """xhit for gather and scatter: the plan's root must be ROOT too."""
+    plan = xplans[kind].get(id(tensors[0]))
+    return plan is not None and plan.peer == root and xhit(kind, tensors, group)
 
 
 def xhit_py(kind: int, tensors: tuple, group) -> bool:
@@ -243,7 +252,7 @@ def xhit_py(kind: int, tensors: tuple, group) -> bool:
                 or not t.is_contiguous() \
                 or kind == REDUCE_SCATTER_TENSOR and t.dtype is not plan.dtype:
             return False
-    entry = record(plan.comm, plan.op, plan.shape, plan.dtype)
+    entry = record(plan.comm, plan.op, plan.shape, plan.dtype, plan.peer)
     plan.run()
     record_end(entry)
     return True

@@ -10,7 +10,8 @@ from hpcddp.collectives import _lists
 from hpcddp.collectives import engine as _engine
 from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, check_list,
                                         same_spec)
-from hpcddp.collectives._plans import (ALL_GATHER, ALL_GATHER_TENSOR, bhit as _bcast_hit,
+from hpcddp.collectives._plans import (ALL_GATHER, ALL_GATHER_TENSOR, GATHER, SCATTER,
+                                       bhit as _bcast_hit, rooted_xhit as _rooted_hit,
                                        xhit as _xhit)
 from hpcddp.collectives.call import Call, pair, resolve, take
 from hpcddp.collectives.paths import route
@@ -127,8 +128,14 @@ def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
 
     gather_list: n tensors shaped like TENSOR on DST; None (or []) on the other ranks.
     """
-    return take(_GATHER, _rooted("gather", tensor, gather_list, dst, group, async_op, "dst",
-                                 "gather_list", "destination"))
+    # the plan-hit row: the same blocking call on the same tensors, to the same root, again
+    tensors = (tensor, *gather_list) if gather_list else (tensor,)
+    if not async_op and not _engine.pending and _rooted_hit(GATHER, tensors, dst, group):
+        return None
+    call = _rooted("gather", tensor, gather_list, dst, group, async_op, "dst", "gather_list",
+                   "destination")
+    call.memo = None if async_op else tensors
+    return take(_GATHER, call)
 
 
 def _rooted(fn: str, tensor, lst, root, group, async_op, root_arg, list_arg, role) -> Call:
@@ -158,8 +165,14 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
 
     scatter_list: n tensors shaped like TENSOR on SRC; None (or []) on the other ranks.
     """
-    return take(_SCATTER, _rooted("scatter", tensor, scatter_list, src, group, async_op, "src",
-                                  "scatter_list", "source"))
+    # the plan-hit row, as gather's
+    tensors = (tensor, *scatter_list) if scatter_list else (tensor,)
+    if not async_op and not _engine.pending and _rooted_hit(SCATTER, tensors, src, group):
+        return None
+    call = _rooted("scatter", tensor, scatter_list, src, group, async_op, "src",
+                   "scatter_list", "source")
+    call.memo = None if async_op else tensors
+    return take(_SCATTER, call)
 
 
 _SCATTER = route("scatter")

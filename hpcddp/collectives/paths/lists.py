@@ -52,5 +52,13 @@ class ListsPath:
     def plan_all_to_all(c):
         _lists.plan(_plans.ALL_TO_ALL, c)
 
+    @staticmethod
+    def plan_gather(c):
+        _lists.plan_rooted(_plans.GATHER, c)
+
+    @staticmethod
+    def plan_scatter(c):
+        _lists.plan_rooted(_plans.SCATTER, c)
+
 
 LISTS = ListsPath()
