@@ -694,6 +694,23 @@ def test_reduce_plan_ab_table_is_the_runs():
     assert f"all_reduce beside it: new/old {min(r):.2f}-{max(r):.2f}" in section, r
 
 
+def test_rooted_plans_ab_table_is_the_runs():
+    """docs/benchmarks.md ("The gather and scatter plan hits") quotes the A/B saved in
+    docs/benchmarks/rooted-plans-ab/: its table, the headline, all_reduce's new/old range."""
+    ab, section = _ab_quoted("rooted-plans-ab", "**The gather and scatter plan hits.**")
+    old, new = ab.comm("old"), ab.comm("new")
+    for op in ("gather", "scatter"):
+        for label, key in (("direct", "dratio"), (f"`dist.{op}`", "ratio")):
+            for version, got in (("old", old), ("new", new)):
+                bold = "**" if version == "new" and label == "direct" else ""
+                row = " | ".join(f"{bold}{got[op, size, key]:.2f}{bold}"
+                                 for size in (8, 1024, 65536, 262144, 1 << 20))
+                assert f"| {op}: {label}, {version} | {row} |" in section, (op, label, version)
+    r = [new[k] / old[k] for k in old if k[0] == "all_reduce" and k[2] in ("ratio", "dratio")]
+    assert f"new/old {min(r):.2f}-{max(r):.2f}" in section, r
+    assert f"old figure was {old['all_reduce', 1024, 'ratio']:.2f} in these jobs" in section
+
+
 def test_ddp_rerun_after_the_ring_halves_is_the_run():
     """docs/benchmarks.md's rerun of DDP across 2 virtual nodes quotes its saved JSON."""
     with open(os.path.join(DOCS, "benchmarks", "ddp-vcluster-after-halves", "ddp-2x1.json")) as f:
