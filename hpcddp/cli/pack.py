@@ -127,6 +127,9 @@ def run(args) -> int:
                  label_array=args.label_array if hdf5 else None)
     except (ValueError, TypeError, FileExistsError, FileNotFoundError) as exc:
         return refuse("pack", exc)
+    except OSError as exc:    # a read or write that failed midway: nothing is left behind
+        return refuse("pack", f"failed reading SOURCE {args.source!r} or writing OUT "
+                              f"{args.out!r}: {exc}", status=1)
     summary = {"out": os.path.abspath(args.out), "format": m.storage, "encoding": m.encoding,
                "num_samples": m.num_samples, "num_shards": len(m.shards),
                "bytes": m.total_bytes, "seconds": round(getattr(m, "pack_seconds", 0.0), 3)}

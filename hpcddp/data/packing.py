@@ -460,7 +460,11 @@ def pack(source, out: str, *, format: str = "lmdb", shard_bytes: int = DEFAULT_S
                                   f"path or pass overwrite=True (--overwrite)")
         _clear_dataset_dir(out)
     created = not os.path.exists(out)
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:   # under a file, on a read-only filesystem, no permission
+        raise ValueError(f"pack: output directory {out!r} cannot be created: "
+                         f"{exc.strerror or exc}") from None
     try:
         return _write(src, enc, out, format, shard_bytes, progress)
     except BaseException:

@@ -132,3 +132,34 @@ def test_demo_without_its_extra_names_the_install(capsys, monkeypatch, tmp_path)
     err = capsys.readouterr().err
     assert "hpcddp demo: needs pillow" in err and "pip install 'hpcddp[demo]'" in err, err
     assert not (tmp_path / "w").exists()
+
+
+def test_pack_to_an_out_that_cannot_be_made_is_one_line(files, capsys):
+    """OUT under a file (or on a read-only filesystem): one line, exit 2, not a traceback."""
+    t = str(files)
+    assert main(["pack", f"{t}/files", f"{t}/notes.txt/out"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"output directory '{t}/notes.txt/out' cannot be created: Not a directory" in err
+
+
+def test_pack_of_an_hdf5_file_with_a_corrupt_chunk_is_one_line(tmp_path, capsys):
+    """A compressed chunk overwritten in the middle of the file: the read fails midway; one
+    line naming SOURCE, exit 1, no output folder left."""
+    h5py = pytest.importorskip("h5py")
+    src = tmp_path / "corrupt.h5"
+    with h5py.File(src, "w") as f:
+        rng = np.random.default_rng(0)
+        f.create_dataset("images", data=rng.integers(0, 255, (333, 32, 32, 3), dtype=np.uint8),
+                         chunks=(50, 32, 32, 3), compression="gzip")
+        f.create_dataset("labels", data=np.arange(333) % 3)
+    size = src.stat().st_size
+    with open(src, "r+b") as fh:
+        fh.seek(size // 2)
+        fh.write(b"\0" * 4096)
+    rc = main(["pack", str(src), str(tmp_path / "out"), "--array", "images", "--label-array",
+               "labels", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1, err
+    assert f"failed reading SOURCE '{src}'" in err, err
+    assert not (tmp_path / "out").exists()
