@@ -239,6 +239,10 @@ SCRIPT = textwrap.dedent(r'''
            if e is not None and e[REC.GROUP] is world and e[REC.SEQ] == seq + 1][-1]
     assert hit[REC.OP] == "gather" and hit[REC.PEER] == n - 1, hit     # recorded with its root
     assert _plans.rooted_xhit(GATHER, tensors, 0, None) is (n == 1), "another root hit"
+    got.zero_()
+    assert _plans.rooted_xhit(SCATTER, (got, *slist) if r == n - 1 else (got,), n - 1,
+                              None) is True, "no scatter hit"
+    same(got, torch.full((6,), float(10 * r + n - 1)).to(got.dtype), "the scatter hit")
     y = torch.zeros(6, dtype=torch.int64)       # a tensor of its own: the full path, planned anew
     ref = [torch.empty(6, dtype=torch.int64) for _ in range(n)]
     dist.all_gather(ref, y + r, group=G)

@@ -108,8 +108,10 @@ def abort_if_the_script_failed() -> None:
         return
     exc = _uncaught[0]
     if fault_tolerant_job():
+        # a sys.exit there ends as Python ends it (no report to ask: a rank ended by SIGKILL
+        # would turn every rank's sys.exit(2) into lost ranks)
         from hpcddp.comm.failures import is_process_failure
-        if is_process_failure(exc):
+        if isinstance(exc, SystemExit) or is_process_failure(exc):
             return
     elif not _report_first(exc) and isinstance(exc, SystemExit):
         # no rank waits in a call for this one: a script's sys.exit(2) on every rank (a CLI's
