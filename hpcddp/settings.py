@@ -183,6 +183,10 @@ VARS: tuple[Var, ...] = (
     Var("HPCDDP_DEBUG", _words, frozenset(), "words: detail, and any other word",
         "detail: compare every collective's call across ranks before it runs; any value "
         "also prints start-up decisions on rank 0", "hangs.md"),
+    Var("HPCDDP_AUDIT", _flag, True, "1, 0",
+        "once a second and at the end, rank 0 compares the collectives every rank recorded: "
+        "ranks that ran different calls (wrong results) get a report and the stall policy",
+        "hangs.md"),
     Var("HPCDDP_RECORDER_SIZE", _positive_int, 2048, "entries",
         "flight recorder entries kept per rank", "hangs.md"),
     Var("HPCDDP_PID_CHECK", _flag, True, "1, 0",

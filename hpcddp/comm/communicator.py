@@ -21,6 +21,7 @@ import weakref
 from hpcddp.comm._mpi import MPI
 
 _ids = itertools.count()
+_generations: dict = {}   # (name, world ranks) -> groups of that name made so far (audit_key)
 _holding: "weakref.WeakSet" = weakref.WeakSet()   # Communicators with attached state
 _PREDEFINED = (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL)
 
@@ -49,7 +50,7 @@ class _State(dict):
 
 class Communicator:
     __slots__ = ("mpi", "rank", "size", "name", "world_ranks", "seq", "uid", "timeout",
-                 "owned", "_attached", "rows", "__weakref__")
+                 "owned", "_attached", "rows", "audit_key", "__weakref__")
 
     def __init__(self, mpi_comm, name: str = "", world_ranks=None, owned: bool = False):
         self.mpi = mpi_comm
@@ -61,6 +62,16 @@ class Communicator:
         self.world_ranks = tuple(world_ranks)
         self.seq = 0
         self.uid = next(_ids)
+        # what names this group alike on every member, for the audit to compare recorded calls
+        # across ranks (hpcddp.diagnostics.audit): a given name, the members, and how many
+        # groups of that name and members this process made before (members make groups in
+        # the same order; torch names two groups of the same ranks alike). A generated name
+        # counts this process's groups only: such a group is not compared.
+        self.audit_key = None
+        if name:
+            same = (name, self.world_ranks)
+            self.audit_key = same + (_generations.get(same, 0),)
+            _generations[same] = self.audit_key[2] + 1
         self.timeout: float | None = None
         self.owned = owned            # hpcddp made the MPI communicator: the group's end frees it
         # the dispatch table's rows as they stand on this group, per op: the node-local

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import threading
 import time
 
@@ -73,8 +74,7 @@ def start_diagnostics(world, host: str, timeout=None, base=None):
 
 def _with_timeout(s, timeout):
     peer = config.peer_timeout_for(timeout) if timeout is not None else s.peer_timeout
-    return config.Settings(timeout=timeout, policy=s.policy, peer_timeout=peer,
-                           report_dir=s.report_dir, detail=s.detail, pid_check=s.pid_check)
+    return dataclasses.replace(s, timeout=timeout, peer_timeout=peer)
 
 
 def running_watchdog():
@@ -152,9 +152,11 @@ def shutdown_diagnostics() -> None:
     entry = [wd.world.seq, "finalize", wd.world, None, None, None, now, 0.0]
     recorder.RECORDER.add(entry)
     try:
+        wd.audit_at_exit()      # this rank's last recorded calls to rank 0 (diagnostics.audit)
         req = wd.diag.Ibarrier()
         while not req.Test():
             time.sleep(0.005)   # the watchdog thread reports if the others never come
+        wd.audit_after_barrier()
     finally:
         recorder.end(entry)
         wd.stop()

@@ -1,5 +1,5 @@
 """The watchdog's settings, derived from hpcddp.settings (HPCDDP_TIMEOUT, HPCDDP_STALL_POLICY,
-HPCDDP_PEER_TIMEOUT, HPCDDP_REPORT_DIR, HPCDDP_DEBUG, HPCDDP_PID_CHECK: docs/settings.md,
+HPCDDP_PEER_TIMEOUT, HPCDDP_REPORT_DIR, HPCDDP_DEBUG, HPCDDP_PID_CHECK, HPCDDP_AUDIT: docs/settings.md,
 docs/hangs.md) and from hpcddp.init's / torch's timeout=.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ class Settings:
     report_dir: str
     detail: bool
     pid_check: bool = True
+    audit: bool = True
 
     @property
     def poll(self) -> float:
@@ -52,7 +53,7 @@ def read(env=None) -> Settings:
     return Settings(timeout=s.timeout, policy=s.stall_policy,
                     peer_timeout=peer_timeout_for(s.timeout, env),
                     report_dir=s.report_dir or os.getcwd(), detail="detail" in s.debug,
-                    pid_check=s.pid_check)
+                    pid_check=s.pid_check, audit=s.audit)
 
 
 def _settings_of(env):

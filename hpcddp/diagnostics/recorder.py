@@ -121,5 +121,7 @@ def describe(entry: list, now: float | None = None) -> dict:
         "peer": entry[PEER],
         "age": now - entry[T_START],
         "done_ago": None if entry[T_END] == 0.0 else now - entry[T_END],
-        "abandoned": len(entry) > 8,     # left in flight when the script ended (an exception)
+        # left in flight when the script ended (an exception), or failed; not one the
+        # agreement refused (every rank raised; the group goes on)
+        "abandoned": len(entry) > 8 and entry[8] != "refused",
     }

@@ -18,12 +18,16 @@ How it works (docs/hangs.md has the long version):
   (HPCDDP_STALL_POLICY=abort, exit code 3) or warns again after another timeout (warn).
 - If the coordinator does not ask within HPCDDP_PEER_TIMEOUT (it is dead), the next lowest
   rank takes over.
+- Once a second every rank also sends the collectives it recorded since to the coordinator,
+  which compares them across ranks after the fact (the audit: diagnostics.audit); the last
+  ones at the script's end, before hpcddp's final barrier.
 
 The thread needs MPI_THREAD_MULTIPLE (hpcddp asks for it). With a lower level granted, each
 stalled rank reports only its own state (it cannot talk to the others from a thread).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -32,6 +36,7 @@ import time
 
 from hpcddp.comm import output as _log
 from hpcddp.comm._mpi import MPI
+from hpcddp.diagnostics import audit as _audit
 from hpcddp.diagnostics import config as _cfg
 from hpcddp.diagnostics import network as _network
 from hpcddp.diagnostics import recorder as _rec
@@ -39,7 +44,8 @@ from hpcddp.diagnostics import report as _report
 from hpcddp.diagnostics import state as _state
 from hpcddp.launch.process import pid_state
 
-TAG_REQ, TAG_STATE, TAG_STALL, TAG_ACK = 11, 12, 13, 14
+TAG_REQ, TAG_STATE, TAG_STALL, TAG_ACK, TAG_AUDIT = 11, 12, 13, 14, 15
+AUDIT_EVERY = 1.0          # seconds between two audits of the recorded calls
 
 
 class Watchdog:
@@ -83,6 +89,13 @@ class Watchdog:
         self.exit_looked = threading.Event()     # ... and the report (if any) is written
         self.exit_stalled = False                # ... where the others wait for this rank
         self.reports = 0
+        # the audit (diagnostics.audit): what this rank sent, what the coordinator holds
+        self.audit = settings.audit and not settings.detail and self.multiple and self.size > 1
+        self._audit_sent: dict = {}
+        self._audit_next = 0.0
+        self.ledger = _audit.Ledger()
+        self._audit_final: set = set()           # ranks whose last calls have arrived
+        self._audit_req = None                   # this rank's last calls, on their way
         self.thread = threading.Thread(target=self._run, name="hpcddp-watchdog", daemon=True)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -123,11 +136,8 @@ class Watchdog:
         return 2 * self.settings.poll + self.settings.peer_timeout + 1.0
 
     def set_timeout(self, timeout: float | None) -> None:
-        s = self.settings
-        peer = _cfg.peer_timeout_for(timeout)
-        self.settings = _cfg.Settings(timeout=timeout, policy=s.policy, peer_timeout=peer,
-                                      report_dir=s.report_dir, detail=s.detail,
-                                      pid_check=s.pid_check)
+        self.settings = dataclasses.replace(self.settings, timeout=timeout,
+                                            peer_timeout=_cfg.peer_timeout_for(timeout))
 
     # -- messages --------------------------------------------------------------------------------
     def _send(self, obj, dest: int, tag: int) -> None:
@@ -172,6 +182,11 @@ class Watchdog:
                 elif tag == TAG_ACK:
                     if self._awaiting is not None and self._awaiting[0] == src:
                         self._awaiting = None
+                elif tag == TAG_AUDIT:
+                    final, rows = obj
+                    self.ledger.add(src, rows, time.monotonic())
+                    if final:
+                        self._audit_final.add(src)
 
     def _snapshot(self) -> dict:
         snap = _state.snapshot(self.rank, self.host, self.pid, exclude_thread=self.thread.ident)
@@ -280,6 +295,9 @@ class Watchdog:
                 self.exit_looked.set()
             return
         self._watch_network(now)
+        if self.audit and now >= self._audit_next:
+            self._audit_next = now + AUDIT_EVERY
+            self._audit_look(now)
         local = self.local_stall(now)
         with self._lock:
             notice, self._notice = self._notice, None
@@ -309,6 +327,74 @@ class Watchdog:
             self._awaiting = (coord, now)
             self._notified_at = now
             self._send({"reason": local[0], "suspect": sorted(self._suspect)}, coord, TAG_STALL)
+
+    # -- the audit (diagnostics.audit) -----------------------------------------------------------
+    def _audit_on(self) -> bool:
+        # in elastic mode groups are rebuilt under the same names as ranks come and go
+        return self.audit and not self.peer_failures_survivable
+
+    def _audit_look(self, now: float) -> None:
+        """Send the calls recorded since the last look to the coordinator (or keep them, as
+        the coordinator), and report what the ledger found."""
+        if not self._audit_on():
+            return
+        rows = _audit.collect(self._audit_sent)
+        coord = self._coordinator()
+        if coord != self.rank:
+            if rows:
+                self._send((False, rows), coord, TAG_AUDIT)
+            return
+        with self._lock:
+            self.ledger.add(self.rank, rows, now)
+            self.ledger.prune(now)
+            found = self.ledger.take(now)
+        if found:
+            self._report_audit(found)
+
+    def audit_at_exit(self) -> None:
+        """This rank's script has ended: the calls not yet sent go to rank 0 (every rank, before
+        hpcddp's final barrier); see :meth:`audit_after_barrier`."""
+        if not self._audit_on():
+            return
+        rows = _audit.collect(self._audit_sent, limit=_rec.RECORDER.capacity)
+        if self.rank == 0:
+            with self._lock:
+                self.ledger.add(0, rows, time.monotonic())
+        else:
+            with self._lock:
+                self._audit_req = self.diag.isend((True, rows), dest=0, tag=TAG_AUDIT)
+
+    def audit_after_barrier(self) -> None:
+        """Once every rank has passed hpcddp's final barrier (so each has sent its last
+        calls): rank 0 compares them and reports what differs (the policy acts); the others
+        see their message received (stop() would cancel it)."""
+        if not self._audit_on():
+            return
+        deadline = time.monotonic() + self.settings.peer_timeout
+        if self.rank != 0:
+            req, self._audit_req = self._audit_req, None
+            while req is not None and not req.Test() and time.monotonic() < deadline:
+                time.sleep(0.002)
+            return
+        while len(self._audit_final) < self.size - 1 and time.monotonic() < deadline:
+            self._serve()
+            time.sleep(0.002)
+        with self._lock:
+            found = self.ledger.take(time.monotonic(), final=True)
+        if found:
+            self._report_audit(found)
+
+    def _report_audit(self, found: list) -> None:
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        lines = "\n".join(f"  {t}" for t in found[:3])
+        text = (f"hpcddp audit (job {self.job}, rank {self.rank} compared the calls every rank "
+                f"recorded): ranks disagreed on a collective that has run; its results are "
+                f"wrong on every rank of the group{more}:\n{lines}\n"
+                f"Every rank of a group must call the same collectives in the same order, with "
+                f"the same element count, dtype and root. Run with HPCDDP_DEBUG=detail to stop "
+                f"at the first such call, before it runs, with each rank's traceback "
+                f"(HPCDDP_AUDIT=0 turns the audit off).")
+        self._emit(text, kind="audit")
 
     # -- gathering and reporting -------------------------------------------------------------------
     def query(self, ranks, wait: float) -> tuple:
@@ -376,7 +462,7 @@ class Watchdog:
                               local_only=True)
         self._emit(text, suffix=f".rank{self.rank}")
 
-    def _emit(self, text: str, suffix: str = "") -> None:
+    def _emit(self, text: str, suffix: str = "", kind: str = "stall") -> None:
         self.reports += 1
         path = os.path.join(self.settings.report_dir, f"hpcddp-stall-{self.job}{suffix}.txt")
         try:
@@ -391,6 +477,7 @@ class Watchdog:
         abort = self.settings.policy == "abort"
         tail = (f"{where}\naborting the job (HPCDDP_STALL_POLICY=abort; exit code "
                 f"{_cfg.STALL_EXIT_CODE})" if abort else
+                f"{where}\ngoing on (HPCDDP_STALL_POLICY=warn)" if kind == "audit" else
                 f"{where}\nwaiting on (HPCDDP_STALL_POLICY=warn): next report in "
                 f"{self.settings.timeout:g} s if still stuck")
         try:
@@ -400,4 +487,5 @@ class Watchdog:
         _log.log(text.rstrip("\n") + "\n" + tail)
         if abort and not self._stopping:
             MPI.COMM_WORLD.Abort(_cfg.STALL_EXIT_CODE)
-        self._quiet_until = time.monotonic() + (self.settings.timeout or 0.0)
+        if kind == "stall":
+            self._quiet_until = time.monotonic() + (self.settings.timeout or 0.0)

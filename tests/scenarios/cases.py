@@ -169,6 +169,21 @@ CASES = [
         r"the flight recorders hold different calls as #4 on WORLD: ranks 0,1 all_reduce\("
         r"shape=\[65536\], float32\); rank 2 all_reduce\(shape=\[65536\], float64\); the "
         r"culprit: rank 2, whose call differs",)),
+    # the audit (diagnostics.audit): small calls that completed with wrong data
+    Case("audit_dtype_at_exit", "small_mismatch.py", 3, args=("dtype",), expect=(
+        r"hpcddp audit .*ranks disagreed on a collective that has run",
+        r"as #4 on WORLD \(ranks \[0, 1, 2\]\), and the call completed: ranks 0,1 all_reduce"
+        r"\(shape=\[4\], float32\); rank 2 all_reduce\(shape=\[4\], int32\); the culprit: "
+        r"rank 2",)),
+    Case("audit_root_while_running", "small_mismatch.py", 2, args=("root",), bound=6.0,
+         expect=(r"as #4 on WORLD \(ranks \[0, 1\]\), and the call completed: rank 0 "
+                 r"broadcast\(src=0, shape=\[8\], float32\); rank 1 broadcast\(src=1, "
+                 r"shape=\[8\], float32\)",)),
+    Case("audit_off", "small_mismatch.py", 3, args=("dtype",), env={"HPCDDP_AUDIT": "0"},
+         rc=(0,), report=False, no_report=True, min_count={r"\[rank\d\] done": 3}),
+    Case("audit_clean", "small_mismatch.py", 3, args=("clean",), rc=(0,), report=False,
+         no_report=True, min_count={r"\[rank\d\] done": 3,
+                                    r"\[rank\d\] refused as expected": 3}),
     # not a hang: rank 1 is 9 s late, the job ends normally after two reports
     Case("warn_policy", "warn_policy.py", 3, env={"HPCDDP_STALL_POLICY": "warn"}, rc=(0,),
          bound=9.0 + BOUND,
@@ -189,7 +204,8 @@ def run_case(case: Case, report_dir: str) -> dict:
     from hpcddp.launch.mpirun import run_mpi
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                HPCDDP_TIMEOUT=str(TIMEOUT), HPCDDP_REPORT_DIR=report_dir)
-    for k in ("HPCDDP_DEBUG", "HPCDDP_STALL_POLICY", "HPCDDP_PID_CHECK", "HPCDDP_PEER_TIMEOUT"):
+    for k in ("HPCDDP_DEBUG", "HPCDDP_STALL_POLICY", "HPCDDP_PID_CHECK", "HPCDDP_PEER_TIMEOUT",
+              "HPCDDP_AUDIT"):
         env.pop(k, None)
     env.update(case.env)
     t0 = time.time()
