@@ -338,7 +338,7 @@ class Watchdog:
         the coordinator), and report what the ledger found."""
         if not self._audit_on():
             return
-        rows = _audit.collect(self._audit_sent)
+        rows = _audit.collect(self._audit_sent, _audit.rows_per_look(self.size))
         coord = self._coordinator()
         if coord != self.rank:
             if rows:

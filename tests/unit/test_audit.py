@@ -127,3 +127,9 @@ def test_groups_of_one_name_and_members_are_numbered_in_creation_order():
     assert a.audit_key[:2] == ("audit-g", (0,)) and b.audit_key[2] == a.audit_key[2] + 1
     assert c.audit_key[2] == 0
     assert Communicator(MPI.COMM_SELF).audit_key is None     # a name of this process's own
+
+
+def test_rank_0s_work_per_look_stays_bounded_in_large_jobs():
+    assert audit.rows_per_look(2) == audit.MAX_ROWS
+    assert audit.rows_per_look(1024) * 1024 <= max(audit.ALL_ROWS, 32 * 1024)
+    assert audit.rows_per_look(1 << 20) == 32
