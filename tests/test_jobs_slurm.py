@@ -404,3 +404,21 @@ def test_mpirun_script_inside_an_allocation(jobs):
     if jobs["two_nodes"]:
         assert r["hosts"] == jobs["nodes"][:2], r
     assert_clean(job.logs())
+
+
+def test_hpcddp_submit_says_when_a_job_will_never_start(slurm, tmp_path):
+    """A shape no node of the partition can hold: Slurm (EnforcePartLimits=NO, its default)
+    accepts it and leaves it pending for good; hpcddp submit says so and exits 4."""
+    cmd = [sys.executable, "-m", "hpcddp", "submit", "cpu-mpi", "--nodes", "1",
+           "--tasks-per-node", "1", "--cpus-per-task", "64", "--time", "5", TRAIN]
+    res = sh(cmd, 120, cwd=tmp_path)
+    job = res.stdout.strip()
+    try:
+        assert res.returncode == 4, res.stderr
+        assert job.isdigit(), res.stdout
+        assert (f"warning: job {job} is pending with reason PartitionConfig: it asks for more "
+                f"than the partition's nodes can hold") in res.stderr
+        assert f"scancel {job}" in res.stderr
+    finally:
+        if job.isdigit():
+            sh(["scancel", job], 30)

@@ -19,6 +19,10 @@ not give keep the template's defaults; options that do not apply to the template
 
 Everything after SCRIPT goes to the script. The job runs in the current directory; its log is
 %x-%j.out (--output). docs/jobs.md explains each template.
+
+Exit status: 0 submitted; 4 submitted, but Slurm says it will never start as asked (a shape
+or time limit over the partition's: the reason is printed; cancel it and submit one that
+fits); sbatch's own status where it refuses the job; 127 no sbatch on PATH.
 """
 
 # flag -> (option name, type, help). Types: int, str, list (repeatable).
@@ -145,4 +149,48 @@ def run(args) -> int:
     print(job_id, flush=True)
     print(f"hpcddp submit: {args.template} submitted as job {job_id}; watch it with "
           f"`squeue -j {job_id}`", file=sys.stderr)
+    reason = never_starts(job_id)
+    if reason:
+        print(f"hpcddp submit: warning: job {job_id} is pending with reason {reason}: "
+              f"{NEVER_STARTS[reason]}, so it will wait in the queue for good. Cancel it "
+              f"(`scancel {job_id}`) and submit a shape that fits (`scontrol show partition` "
+              f"lists the limits; --nodes, --tasks-per-node, --cpus-per-task, --gpus, --time)",
+              file=sys.stderr)
+        return NEVER_STARTS_EXIT
     return 0
+
+
+NEVER_STARTS_EXIT = 4   # submitted (its id on stdout), but it will never start as asked
+
+
+# squeue reasons Slurm gives at submission to a job it accepted but that, as asked, no node or
+# limit of its partition can ever run (the partition's EnforcePartLimits=NO, Slurm's default,
+# queues such jobs instead of refusing them)
+NEVER_STARTS = {
+    "PartitionConfig": "it asks for more than the partition's nodes can hold (CPUs, GPUs "
+                       "or memory per node, or nodes)",
+    "PartitionNodeLimit": "it asks for more nodes than the partition allows",
+    "PartitionTimeLimit": "its time limit (--time) is over the partition's",
+    "BadConstraints": "no node has the features or resources it asks for",
+}
+
+
+def never_starts(job_id: str, looks: int = 3, wait: float = 0.5) -> str | None:
+    """The reason JOB_ID will never start (a key of NEVER_STARTS), else None. Asks squeue a
+    few times: the reason is set within the scheduler's first look at the job."""
+    import subprocess
+    import time
+    for i in range(looks):
+        try:
+            res = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"],
+                                 capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        state, _, reason = res.stdout.strip().partition(" ")
+        if res.returncode != 0 or state != "PENDING":
+            return None                      # running, done, or squeue cannot tell
+        if reason not in ("", "None"):      # the scheduler has looked at it
+            return reason if reason in NEVER_STARTS else None
+        if i + 1 < looks:
+            time.sleep(wait)
+    return None
