@@ -321,11 +321,9 @@ def failed(entry: list) -> None:
     """Close the record ENTRY of a call whose path raised: no longer in flight, and marked as
     left unfinished (diagnostics.recorder.describe: "abandoned"), so a stall report names it
     as the call this rank gave up, not one it still waits in."""
-    if entry[_T_END] == 0.0:
+    if entry[_T_END] == 0.0:      # one the agreement refused is closed already (mismatch.refused)
         entry[_T_END] = _clock[0]
         entry.append("failed")
-    elif len(entry) == 8:         # the agreement refused it: ended as it was, never run
-        entry.append("refused")
 
 
 def run_host(route: tuple, call: Call):

@@ -263,8 +263,16 @@ def _disagree(comm, entry, row: list) -> None:
     """Every rank: gather each rank's call and raise the same error."""
     dup = _agreement(comm)[0]
     rows = np.array(dup.allgather(row), dtype=np.int64)
-    _rec.end(entry)
+    refused(entry)
     raise CollectiveMismatchError(agreement_message(comm.name, comm.world_ranks, rows))
+
+
+def refused(entry) -> None:
+    """Close ENTRY as a call every rank refused before it ran: marked first, so that the audit
+    (diagnostics.audit, on another thread) never takes it for a call that ran."""
+    if len(entry) == 8:
+        entry.append("refused")
+    _rec.end(entry)
 
 
 def _agreement(comm):
@@ -349,7 +357,7 @@ def check_recorded(comm, entry, red=None) -> None:
         dup.Allgather(mine, rows)
         got = rows.tobytes()
         if got != mine.tobytes() * comm.size:
-            _rec.end(entry)
+            refused(entry)
             table = np.frombuffer(got, dtype=np.int64).reshape(comm.size, K)
             raise CollectiveMismatchError(mismatch_message(comm.name, comm.world_ranks, table))
 

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from hpcddp.collectives.call import failed
 from hpcddp.comm.communicator import Communicator
-from hpcddp.diagnostics import audit
+from hpcddp.diagnostics import audit, mismatch
 from hpcddp.diagnostics import recorder as rec
 
 WORLD3 = ("WORLD", (0, 1, 2), 0)
@@ -95,8 +95,8 @@ def test_collect_sends_ended_tensor_collectives_once():
     rec.end(rec.start(g, "barrier"))                           # no tensor
     rec.end(rec.start_p2p(g, "send", (4,), "float32", 1))      # two ranks, not the group
     refused = rec.start(g, "all_reduce", (4,), "float32")
-    rec.end(refused)
-    failed(refused)                                            # the agreement refused it
+    mismatch.refused(refused)                                  # the agreement refused it
+    failed(refused)                                            # ... and take saw it raise
     broken = rec.start(g, "all_reduce", (4,), "float32")
     failed(broken)                                             # its path raised
     rec.start(g, "all_reduce", (4,), "float32")                # in flight
