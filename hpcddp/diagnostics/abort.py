@@ -21,6 +21,7 @@ and reports its exceptions as Python and torch do, without MPI (hpcddp.launch.pr
 from __future__ import annotations
 
 import atexit
+import builtins
 import io
 import os
 import signal
@@ -83,20 +84,25 @@ def _record_uncaught() -> None:
         return previous(exc_type, exc, tb)
 
     sys.excepthook = hook
-    previous_exit = sys.exit
-
-    def exit_(status=None):
-        # a script's sys.exit(1) on one rank is its error exit: the others wait for it as for
-        # an exception (raise SystemExit and exit() are not seen)
-        if status not in (None, 0) and process.in_rank_process() and \
-                threading.current_thread() is threading.main_thread():
-            _uncaught[:] = [SystemExit(status)]
-        previous_exit(status)
-
-    sys.exit = exit_
+    sys.exit = _seen_exit(sys.exit)
+    for name in ("exit", "quit"):      # site's exit()/quit(), where site is loaded
+        if callable(getattr(builtins, name, None)):
+            setattr(builtins, name, _seen_exit(getattr(builtins, name)))
     # registered after the watchdog's exit (hpcddp.diagnostics.start_diagnostics), so it runs
     # before it: that one waits for every rank, as MPI's finalize does
     atexit.register(abort_if_the_script_failed)
+
+
+def _seen_exit(previous):
+    """PREVIOUS (sys.exit, exit(), quit()) that first records a non-zero status: a script's
+    sys.exit(1) on one rank is its error exit, and the others wait for it as for an exception
+    (a bare `raise SystemExit(1)` is not seen: Python has no hook for it)."""
+    def exit_(status=None):
+        if status not in (None, 0) and process.in_rank_process() and \
+                threading.current_thread() is threading.main_thread():
+            _uncaught[:] = [SystemExit(status)]
+        previous(status)
+    return exit_
 
 
 def abort_if_the_script_failed() -> None:

@@ -104,6 +104,9 @@ CASES = [
              r"rank 2 has not called all_reduce #3 on WORLD: it is in hpcddp's finalize: its "
              r"script has ended",
          )),
+    Case("exit_builtin_default", "exception_rank.py", 3, args=("exit-builtin",),
+         env={"HPCDDP_TIMEOUT": "600"}, bound=10.0, expect=(
+             r"rank 2 writes it: rank 2's script ended with sys\.exit\(4\)",)),
     Case("exception_no_abort", "exception_rank.py", 4, args=("no-abort",), expect=(
         r"ranks 0,1,3 have waited [\d.]+ s in all_reduce #3 \(shape=\[8\], float32\) on WORLD",
         r"rank 2 has not called all_reduce #3 on WORLD: it is in hpcddp's finalize: its script "

@@ -8,7 +8,7 @@ in all_reduce: the stall report names it after the timeout. "default" (hpcddp.in
 exception's default (auto): rank 2's exit reports at once, naming it, and the job ends.
 "default-computing": as "default", the others computing (not in a call) when rank 2 fails:
 its exit ends the job with its own line. "exit": as "default", rank 2 calls sys.exit(4)
-instead of raising (a script's error exit).
+instead of raising (a script's error exit); "exit-builtin": the same with site's exit(4).
 argv[1] == "abort-hook-raises": as "abort", with an excepthook in front of hpcddp's that raises
 before it calls hpcddp's (as torch's DataLoader does when a worker dies: its SIGCHLD handler
 raises inside whichever hook runs): the job still ends at once, naming the exception.
@@ -43,9 +43,9 @@ if mode == "abort-hook-raises":
 def load_batch(step):
     if rank == bad and step == 3:
         print(f"[rank{rank}] stall point {time.time():.3f}", flush=True)
-        if mode == "exit":
+        if mode.startswith("exit"):
             print(f"[rank{rank}] corrupt sample in batch {step}: exit 4", flush=True)
-            sys.exit(4)
+            (exit if mode == "exit-builtin" else sys.exit)(4)
         raise ValueError(f"corrupt sample in batch {step}")
     return torch.full((8,), float(step))
 
