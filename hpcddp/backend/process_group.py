@@ -270,17 +270,21 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         return C.monitored_barrier(self.hpcddp_comm, timeout, wait_all_ranks)
 
+    # torch's send and isend (recv and irecv) both call these: errors name both
     @routed
     def send(self, tensors, dst, tag=0):
-        return _for_torch(C.isend(tensors[0], dst, self.hpcddp_comm, tag))
+        return _for_torch(C.isend(tensors[0], dst, self.hpcddp_comm, tag,
+                                  fn="dist.send/dist.isend"))
 
     @routed
     def recv(self, tensors, src, tag=0):
-        return _for_torch(C.irecv(tensors[0], src, self.hpcddp_comm, tag))
+        return _for_torch(C.irecv(tensors[0], src, self.hpcddp_comm, tag,
+                                  fn="dist.recv/dist.irecv"))
 
     @routed
     def recv_anysource(self, tensors, tag=0):
-        return _for_torch(C.irecv(tensors[0], None, self.hpcddp_comm, tag))
+        return _for_torch(C.irecv(tensors[0], None, self.hpcddp_comm, tag,
+                                  fn="dist.recv/dist.irecv"))
 
 
 _routed_allreduce = routed(ProcessGroupHPCDDP._allreduce_here, "allreduce")

@@ -68,18 +68,19 @@ def _p2p(fn: str, tensor, peer, group, tag, plan: bool = True) -> Call:
     return call
 
 
-def isend(tensor, dst, group=None, tag=0):
+def isend(tensor, dst, group=None, tag=0, *, fn: str = "isend"):
     """Start sending TENSOR to group rank DST; returns a Work (wait before reusing TENSOR):
-    a C P2PWork where hpcddp's C module is built (torch Work's methods), else a Work."""
+    a C P2PWork where hpcddp's C module is built (torch Work's methods), else a Work. FN: the
+    name errors give the call (the backend's: torch's send and isend both come here)."""
     work = phit(ISEND, tensor, dst, tag, group)     # the plan-hit row
     if work is not False:
         return work
-    return _isend(tensor, dst, group, tag, True)
+    return _isend(tensor, dst, group, tag, True, fn)
 
 
-def _isend(tensor, dst, group, tag, plan: bool):
+def _isend(tensor, dst, group, tag, plan: bool, fn: str = "isend"):
     """isend's full path; PLAN as in :func:`_p2p`."""
-    return take(_ISEND, _p2p("isend", tensor, dst, group, tag, plan))
+    return take(_ISEND, _p2p(fn, tensor, dst, group, tag, plan))
 
 
 _ISEND = route("send/recv/isend/irecv", "isend")
@@ -95,20 +96,20 @@ def send(tensor, dst, group=None, tag=0):
 _SEND = route("send/recv/isend/irecv", "send")
 
 
-def irecv(tensor, src=None, group=None, tag=0):
+def irecv(tensor, src=None, group=None, tag=0, *, fn: str = "irecv"):
     """Start receiving into TENSOR from group rank SRC (None: any rank); returns a Work whose
     ``source_rank()`` names the sender once complete (a P2PWork as in :func:`isend`)."""
     work = phit(IRECV, tensor, src, tag, group)     # the plan-hit row
     if work is not False:
         return work
-    return _irecv(tensor, src, group, tag, True)
+    return _irecv(tensor, src, group, tag, True, fn)
 
 
-def _irecv(tensor, src, group, tag, plan: bool):
+def _irecv(tensor, src, group, tag, plan: bool, fn: str = "irecv"):
     """irecv's full path; PLAN as in :func:`_p2p`."""
-    call = _p2p("irecv", tensor, src, group, tag, plan)
+    call = _p2p(fn, tensor, src, group, tag, plan)
     if not call.device and src is None and _large.too_big(call.arr):
-        raise ValueError(f"irecv: src=None (any source) with {tensor.numel()} elements, over this "
+        raise ValueError(f"{fn}: src=None (any source) with {tensor.numel()} elements, over this "
                          f"MPI's count limit of {_large.MAX_COUNT}: the message travels in "
                          f"pieces that must come from one sender; give src (or use recv)")
     return take(_IRECV, call)

@@ -158,6 +158,11 @@ def test_ranks_out_of_range(world):
     # through torch: a world rank beyond the world
     refuses(lambda: dist.broadcast(t, src=n), Exception, "")
     refuses(lambda: dist.reduce(t, dst=n + 3), Exception, "")
+    # torch's send and isend (recv, irecv) reach one backend method: the error names both
+    for call in (lambda: dist.send(t, dst=n + 5), lambda: dist.isend(t, dst=n + 5)):
+        refuses(call, ValueError, "dist.send/dist.isend:", f"dst={n + 5}", "out of range")
+    for call in (lambda: dist.recv(t, src=n + 5), lambda: dist.irecv(t, src=n + 5)):
+        refuses(call, ValueError, "dist.recv/dist.irecv:", f"src={n + 5}", "out of range")
     in_step()
 
 
