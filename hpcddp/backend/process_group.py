@@ -155,6 +155,10 @@ class ProcessGroupHPCDDP(dist.ProcessGroup):
 
     # -- reductions -------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
+        if isinstance(tensors, torch.Tensor):
+            # torch's allreduce(tensor, op) overload: DDP's join hook calls it on the group
+            # (a 1-row tensor read as a list of one would reduce only its first row)
+            tensors = [tensors]
         # the hottest op: routed's checks written out here, without its extra call
         if self._others:
             return _routed_allreduce(self, tensors, opts)

@@ -220,12 +220,15 @@ def test_comm_hook_on_subgroup(world):
     assert torch.allclose(ddp.module.a.weight.grad, ref.a.weight.grad, rtol=TOL, atol=TOL)
 
 
-def test_join_uneven_inputs(world):
+@pytest.mark.parametrize("find_unused", [False, True], ids=["plain", "find_unused"])
+def test_join_uneven_inputs(world, find_unused):
     """Rank r has 2 + r batches; Join shadows the finished ranks' all-reduces with zeros and
-    DDP divides by the world size, so step s's gradient is (sum over active ranks) / N."""
+    DDP divides by the world size, so step s's gradient is (sum over active ranks) / N. With
+    find_unused_parameters the join hook also all-reduces the used-parameter map through
+    torch's allreduce(tensor) overload (it crashed: a tensor taken for a list)."""
     n, r = dist.get_world_size(), dist.get_rank()
     per = 2  # samples per rank per step
-    ddp = DDP(make_model())
+    ddp = DDP(make_model(), find_unused_parameters=find_unused)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     with Join([ddp]):
         for s in range(2 + r):
