@@ -251,7 +251,7 @@ VARS: tuple[Var, ...] = (
         "how an async Work's future completes: when waited on, or by a progress thread",
         "collectives.md"),
     Var("HPCDDP_ASYNC_ENGINE", _path_mode, "auto", "0, 1/auto, force",
-        "collectives called with async_op=True run on one communication thread per process, "
+        "collectives called with async_op=True run on a communication thread per group, "
         "in issue order, while the caller computes (auto: where the job spans several nodes)",
         "ddp.md"),
     # GPUs (docs/gpu.md)

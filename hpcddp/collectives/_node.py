@@ -127,7 +127,7 @@ class Scratch:
     largest call (freed with the group). Fresh pages cost a fault each on first touch: a
     16 MiB hierarchical all_gather across 2 virtual nodes x 2 took 81-83 ms on kept buffers,
     92-107 ms on fresh ones (docs/benchmarks.md). Calls on one group never run at once (the
-    async engine's one queue), so one buffer per key suffices. KEEP=False: fresh every time
+    async engine's queue for the group), so one buffer per key suffices. KEEP=False: fresh every time
     (:data:`FRESH`, for callers with no group object)."""
     def __init__(self, keep: bool = True):
         self.keep = keep

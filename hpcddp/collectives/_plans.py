@@ -82,8 +82,9 @@ def remember(table: dict, tensors: tuple, group, comm, *fields, **p2p) -> None:
     key = id(first)
     if len(table) >= MAX_PLANS:
         table.clear()
-    # the first tensor's death drops the plan; the others are only compared
-    refs = (weakref.ref(first, lambda r, k=key, tb=table: _drop(tb, k, r)),
+    # the first tensor's death drops the plan; the others are only compared (_drop bound
+    # now: a tensor that lives into the interpreter's teardown outlives the module's globals)
+    refs = (weakref.ref(first, lambda r, k=key, tb=table, drop=_drop: drop(tb, k, r)),
             *(weakref.ref(t) for t in tensors[1:]))
     table[key] = Plan(refs, tuple(t.data_ptr() for t in tensors),
                       tuple(t.numel() for t in tensors), group, comm, comm.mpi, *fields, **p2p)

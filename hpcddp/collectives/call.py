@@ -179,7 +179,7 @@ def take(route: tuple, call: Call):
     that completes it. Point-to-point ops (route[6] False) are recorded by their path, under
     their own numbering, and never queued (MPI orders them among themselves)."""
     if call.device:       # the device rows (a flag, tested without a call)
-        _engine.drain()   # the caller's thread keeps its CUDA stream
+        _engine.drain(call.comm)   # the caller's thread keeps its CUDA stream
         return route[1](call) if route[0](call) else route[2](call)
     collective, comm = route[6], call.comm
     if collective:

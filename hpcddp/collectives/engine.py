@@ -1,17 +1,21 @@
-"""The async engine: collectives called with ``async_op=True`` run on one communication thread.
+"""The async engine: collectives called with ``async_op=True`` run on a communication thread.
 
 MPI's non-blocking collectives move bytes only while some thread is inside MPI, and a blocking
 collective on one rank never matches a non-blocking one on another (torch's Join mixes
 ``async_op`` across ranks), so hpcddp runs every collective as the blocking call of its path
 (the arena, CMA, hierarchical, point-to-point lists, MPI). An async call therefore needs a
-thread of its own to make progress while the caller computes: as torch's ProcessGroupMPI and
-Horovod do, one thread per process takes the calls from one ordered queue and runs them in
-issue order. Order is what keeps ranks matched: a blocking call issued while async calls are
-still queued joins the same queue and waits for its turn; an idle engine lets it run on the
-caller's thread at once (no hand-off: 12-27 us saved per call). Point-to-point ops post their
-MPI requests at once on the caller's thread, calls queued or not (MPI orders them among
-themselves, never against collectives); calls on CUDA tensors keep the caller's thread (its
-current stream) and wait for the queue to empty first (hpcddp.collectives.call.take).
+thread of its own to make progress while the caller computes: as torch's ProcessGroupMPI does
+(one worker thread per process group), each group has a lane, one ordered queue and one thread
+that runs its calls in issue order. Order within a group is what keeps ranks matched: a
+blocking call issued while async calls are still queued joins its group's queue and waits for
+its turn; an idle engine lets it run on the caller's thread at once (no hand-off: 12-27 us
+saved per call). Groups do not wait for each other: threads of the script that run
+collectives on different groups (a checkpoint thread beside the training loop) may issue them
+in a different order on each rank, which one queue for all groups turned into a deadlock.
+Point-to-point ops post their MPI requests at once on the caller's thread, calls queued or not
+(MPI orders them among themselves, never against collectives); calls on CUDA tensors keep the
+caller's thread (its current stream) and wait for their group's queue to empty first
+(hpcddp.collectives.call.take).
 
 The engine is on for jobs whose ranks span several nodes (a collective there waits on the
 network, long enough to hide compute behind), off on one node, where the caller's thread is
@@ -30,12 +34,25 @@ import torch
 from hpcddp import settings
 from hpcddp.collectives.work import Work, completed_future, pending_future, settle
 
-pending = 0                      # calls queued or running on the engine (read without the lock)
+pending = 0                      # calls queued or running, all groups (read without the lock)
 _on: bool | None = None          # decided at the first question (on())
 _why = ""
 _lock = threading.Condition()
-_queue: queue.SimpleQueue = queue.SimpleQueue()
-_thread: threading.Thread | None = None
+
+
+class _Lane:
+    """One group's queue and communication thread (kept with the group: Communicator.attached,
+    closed when its state is released; a later call makes a new one)."""
+
+    def __init__(self, comm):
+        self.pending = 0
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=_loop, args=(self,), daemon=True,
+                                       name=f"hpcddp-engine-{comm.name}")
+        self.thread.start()
+
+    def close(self) -> None:
+        self.queue.put(None)         # the thread ends after the calls queued before
 
 
 def on() -> bool:
@@ -107,16 +124,15 @@ class EngineWork(Work):
 
 def submit(run, call) -> EngineWork:
     """Queue RUN(CALL) (a path's runner; CALL.async_op is set, so it returns a Work or a
-    completed one) behind every call issued before; its Work."""
-    global pending, _thread
+    completed one) behind every call issued before on its group; its Work."""
+    global pending
     call.async_op = True
     work = EngineWork()
+    lane = call.comm.attached("engine", _Lane)
     with _lock:
         pending += 1
-        if _thread is None:
-            _thread = threading.Thread(target=_loop, name="hpcddp-engine", daemon=True)
-            _thread.start()
-    _queue.put((run, call, work))
+        lane.pending += 1
+    lane.queue.put((run, call, work))
     return work
 
 
@@ -126,18 +142,24 @@ def in_order(run, call):
     submit(run, call).wait()
 
 
-def drain() -> None:
-    """Wait until every queued call has run (before a call that does not take the queue)."""
+def drain(comm=None) -> None:
+    """Wait until every call queued on COMM's group (every group: None) has run (before a call
+    on it that does not take the queue)."""
     if pending:
+        # the lane as kept, never made here (attached() would make one)
+        lane = None if comm is None else comm._attached.get("engine")
         with _lock:
-            while pending:
+            while (lane.pending if lane is not None else pending if comm is None else 0):
                 _lock.wait()
 
 
-def _loop() -> None:
+def _loop(lane: _Lane) -> None:
     global pending
     while True:
-        run, call, work = _queue.get()
+        item = lane.queue.get()
+        if item is None:
+            return
+        run, call, work = item
         result = exc = inner = None
         try:
             inner = run(call)
@@ -148,10 +170,11 @@ def _loop() -> None:
             exc = e
         with _lock:
             pending -= 1
-            if not pending:
+            lane.pending -= 1
+            if not lane.pending:
                 _lock.notify_all()
         try:
             work._settle(result, exc)
         except BaseException:        # never let one Work's future stop the engine
             traceback.print_exc()
-        del run, call, work, inner
+        del item, run, call, work, inner   # the call's tensors are not kept alive here

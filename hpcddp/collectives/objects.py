@@ -14,10 +14,10 @@ from hpcddp.collectives._common import record, record_end, resolve
 
 
 def _ready(group, fn: str):
-    """FN's communicator, once the async engine has run every call issued before (the object
-    collectives run on the caller's thread)."""
+    """FN's communicator, once the async engine has run every call issued before on it (the
+    object collectives run on the caller's thread)."""
     comm = resolve(group, fn)
-    _engine.drain()
+    _engine.drain(comm)
     return comm
 
 

@@ -1,5 +1,5 @@
 """The async engine (hpcddp.collectives.engine), forced on: every async_op=True collective runs
-on one communication thread per process, in issue order.
+on its group's communication thread, in issue order.
 
 The suites of test_async.py (the Work API of every op, blocking and async mixed across ranks,
 many outstanding ops) and test_ddp.py (DDP parity in float64 against one process, Join, comm
@@ -136,3 +136,43 @@ def test_a_refused_premul_sum_in_flight_leaves_the_tensor_as_passed(world, monke
     t = torch.ones(8)
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((8,), float(n)))
+
+
+def test_threads_on_different_groups_in_either_order(world):
+    """Two threads of the script run collectives on two groups (a checkpoint thread beside the
+    training loop), in the opposite order on every other rank: each group's lane keeps its own
+    order, so neither waits for the other (one queue for all groups deadlocked here)."""
+    import threading
+    n, r = dist.get_world_size(), dist.get_rank()
+    everyone = list(range(n))
+    groups = [dist.new_group(everyone), dist.new_group(everyone)]
+    results, errors = {}, []
+    go = [threading.Event(), threading.Event()]
+
+    def work(i):
+        try:
+            go[i].wait(30)
+            t = torch.full((64,), float(r + 1 + 10 * i))
+            for _ in range(20):
+                dist.all_reduce(t, group=groups[i], async_op=True).wait()
+                dist.all_reduce(t, group=groups[i])        # blocking, behind it in the lane
+                t.div_(n * n)
+            results[i] = t
+        except BaseException as exc:   # noqa: BLE001  (reported below)
+            errors.append(exc)
+            go[1 - i].set()
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    first = r % 2                          # rank 0 starts group 0's thread first, rank 1 group 1's
+    go[first].set()
+    time.sleep(0.05)
+    go[1 - first].set()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "the two groups' threads deadlocked"
+    assert not errors, errors
+    for i in (0, 1):
+        # after the first round every rank holds sum/n; each later round keeps it
+        expect = sum(q + 1 + 10 * i for q in range(n)) / n
+        assert torch.allclose(results[i], torch.full((64,), expect)), (i, results[i][:4])
