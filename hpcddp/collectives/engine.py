@@ -146,8 +146,7 @@ def drain(comm=None) -> None:
     """Wait until every call queued on COMM's group (every group: None) has run (before a call
     on it that does not take the queue)."""
     if pending:
-        # the lane as kept, never made here (attached() would make one)
-        lane = None if comm is None else comm._attached.get("engine")
+        lane = None if comm is None else comm.kept("engine")
         with _lock:
             while (lane.pending if lane is not None else pending if comm is None else 0):
                 _lock.wait()

@@ -102,6 +102,10 @@ class Communicator:
         made = self.attach(key, make(self))
         return made
 
+    def kept(self, key: str):
+        """What the path KEY keeps for this group, None if nothing (never makes it)."""
+        return self._attached.get(key)
+
     def attach(self, key: str, value):
         """Keep VALUE as KEY's state (None: the path does not serve this group)."""
         self._attached[key] = value

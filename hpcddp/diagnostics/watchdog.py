@@ -95,7 +95,8 @@ class Watchdog:
         self._audit_next = 0.0
         self.ledger = _audit.Ledger()
         self._audit_final: set = set()           # ranks whose last calls have arrived
-        self._audit_req = None                   # this rank's last calls, on their way
+        self._audit_req = None                   # this rank's last calls, on their way (set:
+        #                                          the script has ended, no more looks)
         self.thread = threading.Thread(target=self._run, name="hpcddp-watchdog", daemon=True)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -338,13 +339,15 @@ class Watchdog:
         the coordinator), and report what the ledger found."""
         if not self._audit_on():
             return
-        rows = _audit.collect(self._audit_sent, _audit.rows_per_look(self.size))
         coord = self._coordinator()
-        if coord != self.rank:
-            if rows:
-                self._send((False, rows), coord, TAG_AUDIT)
-            return
-        with self._lock:
+        with self._lock:        # one look at a time: audit_at_exit's message must come last
+            if self._audit_req is not None:
+                return                          # this rank's script has ended: sent already
+            rows = _audit.collect(self._audit_sent, _audit.rows_per_look(self.size))
+            if coord != self.rank:
+                if rows:
+                    self._send((False, rows), coord, TAG_AUDIT)
+                return
             self.ledger.add(self.rank, rows, now)
             self.ledger.prune(now)
             found = self.ledger.take(now)
@@ -356,12 +359,12 @@ class Watchdog:
         hpcddp's final barrier); see :meth:`audit_after_barrier`."""
         if not self._audit_on():
             return
-        rows = _audit.collect(self._audit_sent, limit=_rec.RECORDER.capacity)
-        if self.rank == 0:
-            with self._lock:
+        with self._lock:        # after any look's message (MPI keeps their order)
+            rows = _audit.collect(self._audit_sent, limit=_rec.RECORDER.capacity)
+            if self.rank == 0:
                 self.ledger.add(0, rows, time.monotonic())
-        else:
-            with self._lock:
+                self._audit_req = True
+            else:
                 self._audit_req = self.diag.isend((True, rows), dest=0, tag=TAG_AUDIT)
 
     def audit_after_barrier(self) -> None:
@@ -372,7 +375,7 @@ class Watchdog:
             return
         deadline = time.monotonic() + self.settings.peer_timeout
         if self.rank != 0:
-            req, self._audit_req = self._audit_req, None
+            req = self._audit_req
             while req is not None and not req.Test() and time.monotonic() < deadline:
                 time.sleep(0.002)
             return
