@@ -393,6 +393,45 @@ SCRIPT = textwrap.dedent(r'''
     w = hpcddp.reduce_scatter_tensor(dst, src, async_op=True); w.wait()
     same(dst, want, "reduce_scatter_tensor async after a plan")
 
+    RSL = _plans.REDUCE_SCATTER_LIST            # the list form: copies into one buffer in C
+
+    def rs_want(ins, op=SUM):
+        w = torch.empty_like(ins[0])
+        dist.reduce_scatter_tensor(w, torch.cat(ins), op=op, group=G)   # gloo's answer
+        return w
+    for dtype in (torch.float32, torch.int64, torch.bfloat16):
+        ins = [(torch.arange(5) % 7 + 3 * r + 11 * j).to(dtype) for j in range(n)]
+        dst = torch.zeros(5, dtype=dtype)
+        want = rs_want(ins)
+        for i in range(3):
+            dst.zero_(); hpcddp.reduce_scatter(dst, ins)
+            same(dst, want, f"reduce_scatter {dtype} #{i}")
+        assert id(dst) in _plans.xplans[RSL], f"no reduce_scatter plan for {dtype}"
+        dst.zero_(); assert hit(RSL, (dst, *ins)), f"planned reduce_scatter {dtype} missed"
+        same(dst, want, f"reduce_scatter hit {dtype}")
+        dst.zero_(); dist.reduce_scatter(dst, ins)
+        same(dst, want, f"dist.reduce_scatter {dtype} after the plan")
+    for x in ins: x.add_(2)                   # new values, same tensors: the hit copies them
+    want = rs_want(ins)
+    dst.zero_(); assert hit(RSL, (dst, *ins)); same(dst, want, "reduce_scatter new values")
+    ins[n - 1] = ins[n - 1].clone()           # another tensor in the list: no hit
+    assert not hit(RSL, (dst, *ins)), "hit with a replaced list element"
+    hpcddp.reduce_scatter(dst, ins); same(dst, want, "reduce_scatter with a new element")
+    dst.zero_(); hpcddp.reduce_scatter(dst, ins, op=dist.ReduceOp.MAX)   # not a SUM: no hit
+    same(dst, rs_want(ins, dist.ReduceOp.MAX), "reduce_scatter MAX after a SUM plan")
+    w = hpcddp.reduce_scatter(dst, ins, async_op=True); w.wait()
+    same(dst, want, "reduce_scatter async after a plan")
+    ins = [(torch.arange(3) + 5 * r + j).float() for j in range(n)]
+    own = ins[r]                              # the output is this rank's own input block
+    want = rs_want(ins)
+    for i in range(4):
+        for j, x in enumerate(ins): x.copy_(torch.arange(3) + 5 * r + j)
+        hpcddp.reduce_scatter(own, ins)
+        same(own, want, f"reduce_scatter into its own input #{i}")
+    for x in (own, *ins):
+        x.data = x.view(torch.int32)          # same memory and size, another dtype: no hit
+    assert not hit(RSL, (own, *ins)), "a reduce_scatter plan hit on another dtype"
+
     t = torch.full((3,), float(r))
     lst = [torch.zeros(3) for _ in range(n)]
     want = [torch.full((3,), float(j)) for j in range(n)]

@@ -67,7 +67,8 @@ enum { ISEND, IRECV, SEND, RECV };
  * the program: (ALLREDUCE, comm, datatype, op), (ALLTOALLV, comm, datatype, int32 table, tag),
  * (SENDRECV, comm, datatype, int64 table, tag), (POINT_TO_POINT, comm, datatype, count, MPI
  * peer), (BROADCAST, comm, datatype, root), (ALLGATHER, comm, datatype, count: each rank's
- * block), (REDUCE_SCATTER, comm, datatype, count: each rank's block, op) or (REDUCE, comm,
+ * block), (REDUCE_SCATTER, comm, datatype, count: each rank's block, op[, int64 table of the
+ * list form's copies into one buffer: dst, src, bytes per block]) or (REDUCE, comm,
  * datatype, op, root, this rank is the root), the handles as mpi4py's MPI._handleof ints;
  * None where C cannot run it. */
 typedef struct {
@@ -118,9 +119,10 @@ static void *handle_at(PyObject *prog, Py_ssize_t i) {
     return PyLong_AsVoidPtr(PyTuple_GET_ITEM(prog, i));
 }
 
-/* the program's table (PROG[3]): its bytes as WIDTH-byte ints, their count in *COUNT */
-static const char *table_of(PyObject *prog, Py_ssize_t width, Py_ssize_t *count) {
-    PyObject *b = PyTuple_GET_ITEM(prog, 3);
+/* the program's table (PROG[AT]): its bytes as WIDTH-byte ints, their count in *COUNT */
+static const char *table_of(PyObject *prog, Py_ssize_t at, Py_ssize_t width,
+                            Py_ssize_t *count) {
+    PyObject *b = PyTuple_GET_ITEM(prog, at);
     if (!PyBytes_Check(b) || PyBytes_GET_SIZE(b) % width)
         return NULL;
     *count = PyBytes_GET_SIZE(b) / width;
@@ -154,20 +156,35 @@ static int unpack_program(Plan *p) {
         return -1;
     switch (code) {
     case ALLGATHER:
-    case REDUCE_SCATTER:
-        if (PyTuple_GET_SIZE(prog) != (code == ALLGATHER ? 4 : 5) || n != 2)
+    case REDUCE_SCATTER: {
+        /* a reduce_scatter of a list: (output, *input_list) and the copies into one buffer */
+        int list = code == REDUCE_SCATTER && PyTuple_GET_SIZE(prog) == 6;
+        if (PyTuple_GET_SIZE(prog) != (code == ALLGATHER ? 4 : 5 + list)
+                || (list ? n < 2 : n != 2))
             return refuse_program("of an all_gather_into_tensor is (ALLGATHER, comm, datatype, "
                                   "count) and of a reduce_scatter_tensor (REDUCE_SCATTER, comm, "
-                                  "datatype, count, op), on (output, input)");
+                                  "datatype, count, op), on (output, input); of a reduce_scatter "
+                                  "(REDUCE_SCATTER, comm, datatype, count, op, copies), on "
+                                  "(output, *input_list)");
         count = PyLong_AsLongLong(PyTuple_GET_ITEM(prog, 3));   /* each rank's block */
         if (code == REDUCE_SCATTER)
             p->hop = (MPI_Op)(intptr_t)handle_at(prog, 4);
         if (PyErr_Occurred())
             return -1;
+        p->table = NULL;
+        p->rows = 0;
+        if (list) {         /* int64 (dst, src, bytes) per block; the first dst: the buffer */
+            p->table = table_of(prog, 5, sizeof(int64_t), &p->rows);
+            if (p->table == NULL || p->rows < 3 || p->rows % 3)
+                return refuse_program("copies do not fit a reduce_scatter");
+            p->rows /= 3;
+            p->in = (void *)(intptr_t)((const int64_t *)p->table)[0];
+        }
         if (count < 0 || count > INT_MAX)
             return 0;
         p->count = (int)count;
         break;
+    }
     case ALLREDUCE:
     case BROADCAST:
     case POINT_TO_POINT:
@@ -213,9 +230,9 @@ static int unpack_program(Plan *p) {
         if (PyErr_Occurred())
             return -1;
         if (code == ALLTOALLV)
-            p->table = table_of(prog, 4 * sizeof(int), &p->rows);      /* rows: ranks */
+            p->table = table_of(prog, 3, 4 * sizeof(int), &p->rows);      /* rows: ranks */
         else {
-            p->table = table_of(prog, sizeof(int64_t), &p->rows);
+            p->table = table_of(prog, 3, sizeof(int64_t), &p->rows);
             p->rows = (p->rows >= 3 && (p->rows - 3) % 6 == 0) ? (p->rows - 3) / 6 : -1;
         }
         if (p->table == NULL || p->rows < 0 || (code == ALLTOALLV && n != 2))
@@ -595,7 +612,11 @@ static PyObject *run_xplan(PyObject *plan, PyObject *tensors, PyObject *group) {
             rc = MPI_Wait(&req, MPI_STATUS_IGNORE);
     } else if (p->code == REDUCE_SCATTER) {
         /* blocking, as the Python path's (reduce_scatter_tensor runs it blocking whatever
-           async_op) */
+           async_op); a list's blocks first into the plan's one buffer, as the path's cat */
+        const int64_t *t = (const int64_t *)p->table;
+        for (Py_ssize_t k = 0; k < rows; k++)
+            memcpy((void *)(intptr_t)t[3 * k], (const void *)(intptr_t)t[3 * k + 1],
+                   (size_t)t[3 * k + 2]);
         rc = MPI_Reduce_scatter_block(p->in, p->buf, p->count, p->htype, p->hop, p->hcomm);
     } else if (p->code == ALLGATHER) {
         /* blocking, as the Python path's (all_gather_into_tensor runs it blocking whatever

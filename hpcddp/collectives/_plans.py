@@ -205,11 +205,12 @@ def rhit_py(tensor, root, group) -> bool:
 # checks found; a hit verifies every tensor is the same object with the same memory, element
 # count and contiguity, on the same live communicator, then records the op and runs it.
 A2A_SINGLE, ALL_GATHER, ALL_TO_ALL, ALL_GATHER_TENSOR, REDUCE_SCATTER_TENSOR, GATHER, \
-    SCATTER = range(7)
+    SCATTER, REDUCE_SCATTER_LIST = range(8)
+REDUCTIONS = (REDUCE_SCATTER_TENSOR, REDUCE_SCATTER_LIST)   # their hits compare every dtype
 PLANNED_OPS = ("all_reduce", "broadcast", "reduce", "all_to_all_single", "all_gather",
                "all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor", "gather",
-               "scatter")   # + send/recv (C)
-xplans: tuple = ({}, {}, {}, {}, {}, {}, {})  # per kind: id(first tensor of the call) -> plan
+               "scatter", "reduce_scatter")   # + send/recv (C)
+xplans: tuple = ({}, {}, {}, {}, {}, {}, {}, {})  # per kind: id(first tensor of the call) -> plan
 # an exchange plan's program (what the C hit runs; None: only the Python hit runs the plan):
 #   (ALLTOALLV, comm, datatype, int32 [send counts, send displs, recv counts, recv displs],
 #       0): MPI_Ialltoallv + MPI_Wait from the call's tensor 1 into its tensor 0
@@ -222,6 +223,9 @@ xplans: tuple = ({}, {}, {}, {}, {}, {}, {})  # per kind: id(first tensor of the
 #   (REDUCE_SCATTER, comm, datatype, count, op): MPI_Reduce_scatter_block of
 #       COUNT elements per rank from the call's tensor 1 into its tensor 0 (a SUM
 #       reduce_scatter_tensor; its hit also checks every tensor's dtype: a reduction adds in it)
+#   (REDUCE_SCATTER, comm, datatype, count, op, int64 [per block: dst, src, bytes]): a SUM
+#       reduce_scatter of a list (output, *input_list): each block copied into the plan's one
+#       buffer (the first dst), then MPI_Reduce_scatter_block from it, as the MPI path's cat
 
 
 def make_xplan(kind: int, tensors: tuple, group, comm, op: str, shape, dtype, run,
@@ -251,7 +255,7 @@ def xhit_py(kind: int, tensors: tuple, group) -> bool:
     for t, ref, ptr, numel in zip(tensors, plan.refs, plan.ptrs, plan.numels):
         if ref() is not t or t.data_ptr() != ptr or t.numel() != numel \
                 or not t.is_contiguous() \
-                or kind == REDUCE_SCATTER_TENSOR and t.dtype is not plan.dtype:
+                or kind in REDUCTIONS and t.dtype is not plan.dtype:
             return False
     entry = record(plan.comm, plan.op, plan.shape, plan.dtype, plan.peer)
     plan.run()

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from hpcddp.collectives import _large
 from hpcddp.collectives import engine as _engine
 from hpcddp.collectives._common import CompletedWork, as_array, check_list, same_spec
-from hpcddp.collectives._plans import (REDUCE_SCATTER_TENSOR, hit as _plan_hit,
-                                       rhit as _reduce_hit, xhit as _xhit)
+from hpcddp.collectives._plans import (REDUCE_SCATTER_LIST, REDUCE_SCATTER_TENSOR,
+                                       hit as _plan_hit, rhit as _reduce_hit, xhit as _xhit)
 from hpcddp.collectives.call import Call, reduce_op, resolve, take
 from hpcddp.collectives.paths import route
 from hpcddp.comm.buffers import DeviceTensor
@@ -129,6 +129,11 @@ _REDUCE_SCATTER_TENSOR = route("reduce_scatter_tensor")
 
 def reduce_scatter(output, input_list, op=SUM, group=None, async_op=False):
     """Like reduce_scatter_tensor with INPUT_LIST[r] as block r (one tensor per rank)."""
+    # the plan-hit row: the same blocking SUM on the same tensors again (collectives._plans)
+    if not async_op and (op is SUM or op == SUM) and not _engine.pending \
+            and type(input_list) is list \
+            and _xhit(REDUCE_SCATTER_LIST, (output, *input_list), group):
+        return None
     fn = "reduce_scatter"
     call = _reduction(fn, output, op, group, async_op, "output")
     call.tensors = input_list
@@ -138,6 +143,8 @@ def reduce_scatter(output, input_list, op=SUM, group=None, async_op=False):
         same_spec(input_list, output, fn, "input_list")
         call.nbytes = output.nbytes * comm.size
         call.block = output.numel()             # one block, the same on every rank
+        if not async_op and call.kind == SUM_KIND:
+            call.memo = (output, *input_list)   # planned on its second call in a row
     return take(_REDUCE_SCATTER, call)
 
 

@@ -119,13 +119,30 @@ HIT = r'''
     for bad, why in (((A2A, (out, inp)), "expected an int kind, a non-empty tuple"),
                      ((A2A, [out, inp], None), "expected an int kind, a non-empty tuple"),
                      ((A2A, (), None), "expected an int kind, a non-empty tuple"),
-                     ((7, (out, inp), None), "kind 7 is not a plan kind")):
+                     ((8, (out, inp), None), "kind 8 is not a plan kind")):
         try:
             x(*bad)
         except (TypeError, ValueError) as err:
             assert why in str(err), err
         else:
             raise AssertionError(f"exchange{bad!r} accepted")
+
+    # the list reduce_scatter's hit: its blocks copied into the plan's buffer, then reduced
+    RSL = _plans.REDUCE_SCATTER_LIST
+    o, b = torch.zeros(3), torch.arange(3.0)
+    hpcddp.reduce_scatter(o, [b]); hpcddp.reduce_scatter(o, [b])    # planned
+    o.zero_(); b.add_(1)
+    assert x(RSL, (o, b), None) is True and torch.equal(o, b), o   # the new values, copied
+    plan = _plans.xplans[RSL][id(o)]
+    assert len(plan.prog) == 6 and plan.prog[0] == _plans.REDUCE_SCATTER, plan.prog
+    for copies in (b"x" * 7, b"", bytes(16)):     # not (dst, src, bytes) per block
+        try:
+            _fastpath.Plan(plan.refs, plan.ptrs, plan.numels, None, world, world.mpi,
+                           "reduce_scatter", o.shape, o.dtype, None, (*plan.prog[:5], copies))
+        except ValueError as err:
+            assert "copies do not fit a reduce_scatter" in str(err), err
+        else:
+            raise AssertionError(f"a reduce_scatter plan with copies {copies!r} made")
 
     # the p2p hit: a world of one has no peer to send to, so only what it refuses
     p = _plans.phit

@@ -40,7 +40,7 @@ from hpcddp.collectives.paths.arena import ARENA
 from hpcddp.collectives.paths.cma import CMA
 from hpcddp.collectives.paths.device import CUDA_AWARE as _CUDA_AWARE, STAGED as _STAGED
 from hpcddp.collectives.paths.hier import HIER
-from hpcddp.collectives.paths.lists import LISTS
+from hpcddp.collectives.paths.lists import LISTS, REDUCE_SCATTER_FROM
 from hpcddp.collectives.paths.mpi import MPI_PATH
 from hpcddp.collectives.paths.ring import RING
 from hpcddp.diagnostics.mismatch import AGREE_BYTES
@@ -119,9 +119,10 @@ PATHS: dict[str, tuple[Path, ...]] = {
                        f"{BELOW}"), *DEVICE, Path("CMA", RACED, CMA), HIER_ROW, _mpi("Bcast")),
     "reduce": (_hit(f"SUM of the tensor of the two calls before, onto the same root, blocking, "
                     f"{BELOW}"), *DEVICE, _mpi("Reduce")),
-    "reduce_scatter": (*DEVICE, ARENA_ROW,
-                       Path("point-to-point", "the list form, SUM/AVG/PREMUL_SUM, non-bool",
-                            LISTS),
+    "reduce_scatter": (_hit(f"SUM of the tensors of the two calls before, blocking, {BELOW}: "
+                            f"the list copied into one buffer"), *DEVICE, ARENA_ROW,
+                       Path("point-to-point", f"the list form, SUM/AVG/PREMUL_SUM, non-bool, "
+                            f"from {_mib(REDUCE_SCATTER_FROM)}", LISTS),
                        _mpi("Reduce_scatter_block", pieces=False)),
     "reduce_scatter_tensor": (_hit(f"SUM of the tensors of the two calls before, blocking, "
                                    f"{BELOW}"), *DEVICE, ARENA_ROW, HIER_ROW, RING_ROW,

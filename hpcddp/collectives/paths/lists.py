@@ -7,6 +7,12 @@ from __future__ import annotations
 from hpcddp.collectives import _lists, _plans
 
 
+# reduce_scatter's whole input from which this path takes it: below, the MPI path's cat and
+# MPI_Reduce_scatter_block, planned from the third call (the plan copies the blocks in C),
+# beat this path's Python steps and sums (docs/benchmarks.md, "The list reduce_scatter's plan")
+REDUCE_SCATTER_FROM = 256 << 10
+
+
 class ListsPath:
     name = "point-to-point"
     min_bytes = 0
@@ -21,7 +27,8 @@ class ListsPath:
     @staticmethod
     def applies(c, made, op: str) -> bool:     # MADE: None (no state of its own to race)
         return _lists.use_p2p(c.comm, c.block) and (
-            op != "reduce_scatter" or _lists.reduce_scatter_supported(c.kind, c.dtype))
+            op != "reduce_scatter" or c.nbytes >= REDUCE_SCATTER_FROM
+            and _lists.reduce_scatter_supported(c.kind, c.dtype))
 
     @staticmethod
     def all_gather(c):      # zero-copy: each block straight into its tensor

@@ -20,7 +20,8 @@ import torch
 from hpcddp.collectives import _large, _plans
 from hpcddp.collectives._common import (IN_PLACE, as_array, finish_or_work, record_end,
                                         record_p2p, wait_or_work)
-from hpcddp.collectives._plans import ALL_GATHER_TENSOR, REDUCE_SCATTER_TENSOR
+from hpcddp.collectives._plans import (ALL_GATHER_TENSOR, REDUCE_SCATTER_LIST,
+                                       REDUCE_SCATTER_TENSOR)
 from hpcddp.collectives.work import RecvWork, check_count, truncation
 from hpcddp.comm._mpi import MPI
 from hpcddp.diagnostics.mismatch import AGREE_BYTES
@@ -115,6 +116,28 @@ class MPIPath:
                    else c.tensor.new_empty(0))
         c.inp = as_array(c.input)
         return MPIPath.reduce_scatter_tensor(c)
+
+    @staticmethod
+    def plan_reduce_scatter(c):             # a blocking SUM of a list (the op's memo)
+        if c.nbytes >= AGREE_BYTES or not c.arr.size \
+                or not all(t.is_contiguous() for t in c.tensors):   # the hit copies by pointer
+            return
+        mpi, buf, inp, out, mop = c.comm.mpi, c.input, c.inp, c.arr, c.mop
+        pairs = tuple(zip(buf.split(out.size), (t.view(-1) for t in c.tensors)))
+
+        def run():                          # the call's cat, into this call's buffer
+            for block, t in pairs:
+                block.copy_(t)
+            mpi.Reduce_scatter_block(inp, out, mop)
+        datatype = _plans.datatype_handle(out)
+        prog = None
+        if datatype is not None:
+            copies = [x for block, t in pairs
+                      for x in (block.data_ptr(), t.data_ptr(), t.numel() * t.element_size())]
+            prog = (_plans.REDUCE_SCATTER, MPI._handleof(mpi), datatype, out.size,
+                    MPI._handleof(mop), array("q", copies).tobytes())
+        _plans.make_xplan(REDUCE_SCATTER_LIST, c.memo, c.group, c.comm, "reduce_scatter",
+                          c.shape, c.dtype, run, prog)
 
     # -- data movement ---------------------------------------------------------------------
 
