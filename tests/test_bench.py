@@ -887,3 +887,24 @@ def test_fsdp_vcluster_ab_is_quoted_as_run():
             max(j["hpcddp_over_gloo"] for j in old)
         for j in old + new:
             assert j["param_max_diff"] == 0 if layout == "2x1" else j["param_max_diff"] <= 2.4e-7
+
+
+def test_list_reduce_scatter_plan_ab_table_is_the_runs():
+    """docs/benchmarks.md ("The list reduce_scatter's plan") quotes the A/B saved in
+    docs/benchmarks/list-rs-plan-ab/: its table, the headline, the untouched ops' range."""
+    ab, section = _ab_quoted("list-rs-plan-ab", "**The list reduce_scatter's plan.**")
+    old, new = ab.comm("old"), ab.comm("new")
+    for label, key in (("direct", "dratio"), ("`dist.reduce_scatter`", "ratio")):
+        for version, got in (("old", old), ("new", new)):
+            cells = []
+            for size in (8, 1024, 65536, 262144, 1 << 20):
+                bold = "**" if version == "new" and label == "direct" and size < 262144 else ""
+                cells.append(f"{bold}{got['reduce_scatter', size, key]:.2f}{bold}")
+            row = " | ".join(cells)
+            assert f"| reduce_scatter: {label}, {version} | {row} |" in section, (label, version)
+    r = [new[k] / old[k] for k in old
+         if k[0] in ("all_reduce", "reduce_scatter_tensor") and k[2] in ("ratio", "dratio")]
+    assert f"new/old {min(r):.2f}-{max(r):.2f}" in section, r
+    raw = [us for us in _load(AB_SUMMARY, "ab_summary").jobs(
+        os.path.join(DOCS, "benchmarks", "list-rs-plan-ab"), "reduce_scatter", 262144, "mpi4py")]
+    assert f"went {min(raw):.0f}-{max(raw):.0f} µs" in section, raw
