@@ -153,6 +153,7 @@ def shutdown_diagnostics() -> None:
     recorder.RECORDER.add(entry)
     try:
         wd.audit_at_exit()      # this rank's last recorded calls to rank 0 (diagnostics.audit)
+        wd.script_ended()       # the coordinator looks for ranks waiting in a call it skipped
         req = wd.diag.Ibarrier()
         while not req.Test():
             time.sleep(0.005)   # the watchdog thread reports if the others never come

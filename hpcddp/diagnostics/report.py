@@ -160,6 +160,23 @@ def _call(d: dict) -> tuple:
             None if isinstance(peer, str) else peer)
 
 
+def ended_without(snaps: dict, size: int) -> tuple:
+    """(the stalled collective, the members whose script has ended before they called it):
+    those ranks will never call it, so its wait has no end. (op, []) where none did or it
+    cannot be told (a member's recorder holds nothing of the group: it never used it, or its
+    entries were overwritten)."""
+    _, op = stalled_op(snaps)
+    if op is None or op["op"] in P2P_OPS:
+        return op, []
+    key, ended = _key(op), []
+    for m in op.get("ranks") or range(size):
+        s = snaps.get(m)
+        g = _last_on(s, key) if s and s.get("finalizing") else None
+        if g is not None and (g.get("seq") or 0) < op["seq"]:
+            ended.append(m)
+    return op, ended
+
+
 def analyse(snaps: dict, gone: dict, size: int) -> dict:
     """What is stuck and why. snaps: rank -> snapshot; gone: rank -> what is known of a rank
     that did not answer. Returns {"lines": [...], "hints": [...], "stall": bool}: the calls

@@ -21,6 +21,9 @@ How it works (docs/hangs.md has the long version):
 - Once a second every rank also sends the collectives it recorded since to the coordinator,
   which compares them across ranks after the fact (the audit: diagnostics.audit); the last
   ones at the script's end, before hpcddp's final barrier.
+- A rank whose script has ended tells the coordinator, which then asks every rank (after 1 s,
+  then at doubling gaps): a rank waiting in a collective that an ended member never called
+  waits for ever, so it reports at once instead of after HPCDDP_TIMEOUT (``_look_at_the_end``).
 
 The thread needs MPI_THREAD_MULTIPLE (hpcddp asks for it). With a lower level granted, each
 stalled rank reports only its own state (it cannot talk to the others from a thread).
@@ -44,8 +47,11 @@ from hpcddp.diagnostics import report as _report
 from hpcddp.diagnostics import state as _state
 from hpcddp.launch.process import pid_state
 
-TAG_REQ, TAG_STATE, TAG_STALL, TAG_ACK, TAG_AUDIT = 11, 12, 13, 14, 15
+TAG_REQ, TAG_STATE, TAG_STALL, TAG_ACK, TAG_AUDIT, TAG_ENDED = 11, 12, 13, 14, 15, 16
 AUDIT_EVERY = 1.0          # seconds between two audits of the recorded calls
+# once a rank's script has ended, the coordinator looks whether another waits in a collective
+# it never called: first this long after, then at doubling gaps up to ENDED_LOOK_MAX
+ENDED_LOOK_AFTER, ENDED_LOOK_MAX = 1.0, 16.0
 
 
 class Watchdog:
@@ -97,6 +103,9 @@ class Watchdog:
         self._audit_final: set = set()           # ranks whose last calls have arrived
         self._audit_req = None                   # this rank's last calls, on their way (set:
         #                                          the script has ended, no more looks)
+        # the coordinator's: ranks whose script has ended, when to look next and the gap after
+        self._ended: set = set()
+        self._ended_next, self._ended_gap = 0.0, ENDED_LOOK_AFTER
         self.thread = threading.Thread(target=self._run, name="hpcddp-watchdog", daemon=True)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -135,6 +144,26 @@ class Watchdog:
                            _rec._now(), 0.0])
         self._exit_reason = reason
         return 2 * self.settings.poll + self.settings.peer_timeout + 1.0
+
+    def script_ended(self) -> None:
+        """This rank's script has ended (hpcddp's finalize, before its final barrier): tell
+        the coordinator, which looks whether another rank waits in a collective this one
+        never called (:meth:`_look_at_the_end`). Not in elastic mode (groups are rebuilt
+        under the same names there, their counts start again)."""
+        if not self.multiple or self.size < 2 or self.settings.timeout is None \
+                or self.peer_failures_survivable:
+            return
+        coord = self._coordinator()
+        if coord == self.rank:
+            self._note_ended(self.rank)
+        else:
+            self._send(None, coord, TAG_ENDED)
+
+    def _note_ended(self, rank: int) -> None:
+        with self._lock:
+            if not self._ended:
+                self._ended_next = time.monotonic() + ENDED_LOOK_AFTER
+            self._ended.add(rank)
 
     def set_timeout(self, timeout: float | None) -> None:
         self.settings = dataclasses.replace(self.settings, timeout=timeout,
@@ -183,6 +212,8 @@ class Watchdog:
                 elif tag == TAG_ACK:
                     if self._awaiting is not None and self._awaiting[0] == src:
                         self._awaiting = None
+                elif tag == TAG_ENDED:
+                    self._note_ended(src)
                 elif tag == TAG_AUDIT:
                     final, rows = obj
                     self.ledger.add(src, rows, time.monotonic())
@@ -299,6 +330,8 @@ class Watchdog:
         if self.audit and now >= self._audit_next:
             self._audit_next = now + AUDIT_EVERY
             self._audit_look(now)
+        if self._ended and now >= self._ended_next and len(self._ended) < self.size:
+            self._look_at_the_end(now)
         local = self.local_stall(now)
         with self._lock:
             notice, self._notice = self._notice, None
@@ -399,6 +432,25 @@ class Watchdog:
                 f"(HPCDDP_AUDIT=0 turns the audit off).")
         self._emit(text, kind="audit")
 
+    # -- a rank whose script has ended -----------------------------------------------------------
+    def _look_at_the_end(self, now: float) -> None:
+        """Some ranks' scripts have ended (:meth:`script_ended`): ask every rank, and where one
+        waits in a collective that an ended member never called (it can only end now), report
+        at once: that wait has no end, and HPCDDP_TIMEOUT (600 s by default) would pass
+        first. Ranks waiting in a call the ended ones made (a broadcast's root ends first)
+        or computing are not reported."""
+        self._ended_next = now + self._ended_gap
+        self._ended_gap = min(2 * self._ended_gap, ENDED_LOOK_MAX)
+        if now < self._quiet_until:
+            return
+        snaps, gone = self.query(list(range(self.size)), self.settings.peer_timeout)
+        if self._stopping:
+            return
+        op, ended = _report.ended_without(snaps, self.size)
+        if ended:
+            self._report_from(snaps, gone, f"{_report.ranks_word(ended)} ended without "
+                              f"calling {_report.op_text(op)}, which other ranks wait in")
+
     # -- gathering and reporting -------------------------------------------------------------------
     def query(self, ranks, wait: float) -> tuple:
         """Ask RANKS for their state: ({rank: snapshot}, {rank: what is known if no answer})."""
@@ -443,6 +495,10 @@ class Watchdog:
         snaps, gone = self.query(list(range(self.size)), self.settings.peer_timeout)
         if self._stopping:
             return False
+        return self._report_from(snaps, gone, reason)
+
+    def _report_from(self, snaps: dict, gone: dict, reason: str) -> bool:
+        """Report the job's state from the answers SNAPS (GONE: ranks that gave none)."""
         self._suspect.update(gone)
         analysis = _report.analyse(snaps, gone, self.size)
         if not analysis["stall"]:

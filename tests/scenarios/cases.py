@@ -107,6 +107,18 @@ CASES = [
     Case("exit_builtin_default", "exception_rank.py", 3, args=("exit-builtin",),
          env={"HPCDDP_TIMEOUT": "600"}, bound=10.0, expect=(
              r"rank 2 writes it: rank 2's script ended with sys\.exit\(4\)",)),
+    # a rank ends its script normally (no exception) without a call the others wait in:
+    # reported at once, not after HPCDDP_TIMEOUT
+    Case("ended_early_skip", "ended_early.py", 3, args=("skip",),
+         env={"HPCDDP_TIMEOUT": "600"}, bound=12.0, expect=(
+             r"rank 0 writes it: rank 2 ended without calling all_reduce #6 \(shape=\[256\], "
+             r"float32\) on WORLD, which other ranks wait in",
+             r"rank 2 has not called all_reduce #6 on WORLD: it is in hpcddp's finalize: its "
+             r"script has ended; its last op on WORLD was all_reduce #5",
+         )),
+    Case("ended_early_clean", "ended_early.py", 3, args=("clean",),
+         env={"HPCDDP_TIMEOUT": "600"}, rc=(0,), report=False, no_report=True, marked=False,
+         min_count={r"\[rank\d\] done": 3}),
     Case("exception_no_abort", "exception_rank.py", 4, args=("no-abort",), expect=(
         r"ranks 0,1,3 have waited [\d.]+ s in all_reduce #3 \(shape=\[8\], float32\) on WORLD",
         r"rank 2 has not called all_reduce #3 on WORLD: it is in hpcddp's finalize: its script "

@@ -244,6 +244,32 @@ def test_report_finalize_and_exception():
            "batch 3)" in text
 
 
+def test_a_rank_that_ended_without_a_call_others_wait_in_is_named_at_once():
+    """The coordinator's look after a rank's script ended (watchdog._look_at_the_end)."""
+    fin = dict(finalizing=True, blocked=True)
+    snaps = {r: _snap(r, [_op("all_reduce", 6, 1.5)], seq=5) for r in (0, 1, 3)}
+    snaps[2] = _snap(2, [_op("finalize", 5, 1.6)], seq=5, **fin)
+    op, ended = report.ended_without(snaps, 4)
+    assert (op["op"], op["seq"], ended) == ("all_reduce", 6, [2])
+    # the root of a broadcast ends first: its others still receive #6, which it made
+    snaps[2] = _snap(2, [_op("finalize", 6, 1.6)], seq=6, **fin)
+    assert report.ended_without(snaps, 4)[1] == []
+    # the ranks wait on a group without the ended rank: not its call
+    sub = dict(group="group[0, 1]", ranks=(0, 1))
+    snaps = {r: _snap(r, [_op("all_reduce", 1, 4.0, **sub)], seq=5) for r in (0, 1)}
+    snaps[3] = _snap(3, seq=5)
+    snaps[2] = _snap(2, [_op("finalize", 5, 4.1)], seq=5, **fin)
+    assert report.ended_without(snaps, 4)[1] == []
+    # others computing, nobody waits: nothing to say
+    snaps = {r: _snap(r, seq=5) for r in (0, 1, 3)}
+    snaps[2] = _snap(2, [_op("finalize", 5, 4.1)], seq=5, **fin)
+    assert report.ended_without(snaps, 4) == (None, [])
+    # the ended rank's recorder holds nothing of the group: cannot be told, not reported
+    snaps = {r: _snap(r, [_op("all_reduce", 6, 1.5)], seq=5) for r in (0, 1, 3)}
+    snaps[2] = _snap(2, [_op("finalize", 5, 1.6)], seq=5, groups=[], **fin)
+    assert report.ended_without(snaps, 4)[1] == []
+
+
 def test_ranks_in_finalize_waiting_for_python_is_not_a_stall():
     snaps = {r: _snap(r, [_op("finalize", 9, 5.0)], seq=9, finalizing=True) for r in (1, 2, 3)}
     snaps[0] = _snap(0, seq=9, where="train.py:120 (in save_checkpoint)")
