@@ -71,6 +71,34 @@ def collect(sent: dict, limit: int = MAX_ROWS) -> dict:
     return out
 
 
+def differ_in_flight(snaps: dict, min_age: float):
+    """((group, members, generation, seq), {call: [ranks]}) of a collective that ranks have
+    waited in for MIN_AGE seconds or more, each in a call this module's rule tells apart from
+    another's (op, element count, dtype, root; a barrier by its name), else None. SNAPS: the
+    stall report's snapshots. Such a wait has no good end (MPI hangs, errors or mixes the
+    data), and an agreement on the calls would have refused them long before MIN_AGE."""
+    slots: dict = {}
+    for r, s in sorted(snaps.items()):
+        if not s or not s.get("blocked", True):
+            continue
+        for d in s["inflight"]:
+            if d.get("gen") is None or d["age"] < min_age or d.get("abandoned"):
+                continue
+            op, shape, peer = d["op"], d["shape"], d["peer"]
+            if op == "barrier":
+                call = (op, None, None, None)
+            elif op in _LEFT_OUT or shape is None or d["dtype"] is None:
+                continue
+            else:
+                call = (op, math.prod(shape), d["dtype"], peer if isinstance(peer, int) else None)
+            at = (d["group"], tuple(d["ranks"]), d["gen"], d["seq"])
+            slots.setdefault(at, {}).setdefault(call, []).append(r)
+    for at, calls in slots.items():
+        if len(calls) > 1:
+            return at, calls
+    return None
+
+
 class Ledger:
     """The coordinator's record of what each rank called, by (group, seq), until every member
     has sent the call (then forgotten if they agree) or KEEP_S has passed. Calls that differ

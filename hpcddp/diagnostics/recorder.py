@@ -106,6 +106,14 @@ def end(entry: list, _clock=TICK) -> None:
     entry[T_END] = _clock[0]
 
 
+def generation(comm) -> int | None:
+    """How many groups of COMM's name and members this process made before it: tells apart,
+    on every rank alike, two groups torch names alike (Communicator.audit_key); None for a
+    group without a given name."""
+    key = getattr(comm, "audit_key", None)
+    return None if key is None else key[2]
+
+
 def describe(entry: list, now: float | None = None) -> dict:
     """An entry as plain data (what crosses ranks in a report)."""
     comm = entry[GROUP]
@@ -115,6 +123,7 @@ def describe(entry: list, now: float | None = None) -> dict:
         "seq": entry[SEQ], "op": entry[OP],
         "group": getattr(comm, "name", str(comm)),
         "ranks": list(getattr(comm, "world_ranks", ())),
+        "gen": generation(comm),
         "grank": getattr(comm, "rank", None),
         "shape": None if shape is None else [int(s) for s in shape],
         "dtype": None if entry[DTYPE] is None else str(entry[DTYPE]).replace("torch.", ""),

@@ -75,7 +75,8 @@ def op_text(d: dict) -> str:
 
 
 def _key(d: dict) -> tuple:
-    return (d["group"], tuple(d.get("ranks") or ()))
+    # the generation tells apart two groups torch names alike (recorder.generation)
+    return (d["group"], tuple(d.get("ranks") or ()), d.get("gen"))
 
 
 def _status(snap: dict | None, gone: dict | None, not_on=None) -> str:
@@ -121,7 +122,7 @@ def dead_text(gone: dict) -> str:
 
 def _last_on(snap: dict, key) -> dict | None:
     for g in snap.get("groups", []):
-        if (g["group"], tuple(g["ranks"])) == key:
+        if _key(g) == key:
             return g
     return None
 

@@ -106,7 +106,7 @@ def snapshot(rank: int, host: str, pid: int, exclude_thread=None, extra=None) ->
         key = getattr(comm, "uid", id(comm))
         g = groups.setdefault(key, {
             "group": getattr(comm, "name", str(comm)),
-            "ranks": list(getattr(comm, "world_ranks", ())),
+            "ranks": list(getattr(comm, "world_ranks", ())), "gen": _rec.generation(comm),
             "seq": getattr(comm, "seq", None), "p2p_seq": _rec.RECORDER.p2p_seq(comm),
             "last": None, "recent": []})
         g["seq"] = getattr(comm, "seq", None)

@@ -24,6 +24,8 @@ How it works (docs/hangs.md has the long version):
 - A rank whose script has ended tells the coordinator, which then asks every rank (after 1 s,
   then at doubling gaps): a rank waiting in a collective that an ended member never called
   waits for ever, so it reports at once instead of after HPCDDP_TIMEOUT (``_look_at_the_end``).
+  So does a rank that has waited 2 s in a collective: where ranks wait in different calls as
+  the same collective of a group, the coordinator reports at once (``_look_at_long_waits``).
 
 The thread needs MPI_THREAD_MULTIPLE (hpcddp asks for it). With a lower level granted, each
 stalled rank reports only its own state (it cannot talk to the others from a thread).
@@ -47,11 +49,14 @@ from hpcddp.diagnostics import report as _report
 from hpcddp.diagnostics import state as _state
 from hpcddp.launch.process import pid_state
 
-TAG_REQ, TAG_STATE, TAG_STALL, TAG_ACK, TAG_AUDIT, TAG_ENDED = 11, 12, 13, 14, 15, 16
+TAG_REQ, TAG_STATE, TAG_STALL, TAG_ACK, TAG_AUDIT, TAG_ENDED, TAG_WAITING = range(11, 18)
 AUDIT_EVERY = 1.0          # seconds between two audits of the recorded calls
 # once a rank's script has ended, the coordinator looks whether another waits in a collective
 # it never called: first this long after, then at doubling gaps up to ENDED_LOOK_MAX
 ENDED_LOOK_AFTER, ENDED_LOOK_MAX = 1.0, 16.0
+# a rank that has waited this long in a collective tells the coordinator, which looks (at gaps
+# doubling up to WAIT_LOOK_MAX) whether ranks wait in different calls as the same collective
+WAIT_LOOK_AFTER, WAIT_LOOK_MAX = 2.0, 32.0
 
 
 class Watchdog:
@@ -106,6 +111,9 @@ class Watchdog:
         # the coordinator's: ranks whose script has ended, when to look next and the gap after
         self._ended: set = set()
         self._ended_next, self._ended_gap = 0.0, ENDED_LOOK_AFTER
+        # a long wait: the call this rank told the coordinator of; the coordinator's look
+        self._waiting_told = None
+        self._waits_due, self._waits_next, self._waits_gap = False, 0.0, WAIT_LOOK_AFTER
         self.thread = threading.Thread(target=self._run, name="hpcddp-watchdog", daemon=True)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -214,6 +222,8 @@ class Watchdog:
                         self._awaiting = None
                 elif tag == TAG_ENDED:
                     self._note_ended(src)
+                elif tag == TAG_WAITING:
+                    self._waits_due = True
                 elif tag == TAG_AUDIT:
                     final, rows = obj
                     self.ledger.add(src, rows, time.monotonic())
@@ -332,6 +342,10 @@ class Watchdog:
             self._audit_look(now)
         if self._ended and now >= self._ended_next and len(self._ended) < self.size:
             self._look_at_the_end(now)
+        if self._early_looks():
+            self._tell_of_a_long_wait(now)
+            if self._waits_due and now >= self._waits_next:
+                self._look_at_long_waits(now)
         local = self.local_stall(now)
         with self._lock:
             notice, self._notice = self._notice, None
@@ -450,6 +464,49 @@ class Watchdog:
         if ended:
             self._report_from(snaps, gone, f"{_report.ranks_word(ended)} ended without "
                               f"calling {_report.op_text(op)}, which other ranks wait in")
+
+    # -- ranks waiting in different calls ------------------------------------------------------
+    def _early_looks(self) -> bool:
+        timeout = self.settings.timeout
+        return self.multiple and self.size > 1 and not self.peer_failures_survivable \
+            and timeout is not None and timeout > 2 * WAIT_LOOK_AFTER
+
+    def _tell_of_a_long_wait(self, now: float) -> None:
+        """Where this rank has waited WAIT_LOOK_AFTER seconds in a collective, tell the
+        coordinator (once per call)."""
+        oldest = None
+        for e in list(_rec.RECORDER.buf):
+            if e is not None and e[_rec.T_END] == 0.0 and e[_rec.OP] not in _rec.P2P_OPS \
+                    and e[_rec.OP] not in _report._SELF_TIMED and e[_rec.OP] != "finalize" \
+                    and now - e[_rec.T_START] >= WAIT_LOOK_AFTER \
+                    and (oldest is None or e[_rec.T_START] < oldest[_rec.T_START]):
+                oldest = e
+        if oldest is None or oldest is self._waiting_told \
+                or not _state.blocked_threads(exclude=(self.thread.ident,)):
+            return
+        self._waiting_told = oldest
+        coord = self._coordinator()
+        if coord == self.rank:
+            self._waits_due = True
+        else:
+            self._send(None, coord, TAG_WAITING)
+
+    def _look_at_long_waits(self, now: float) -> None:
+        """A rank has waited WAIT_LOOK_AFTER seconds in a collective: ask every rank, and where
+        ranks have waited that long in calls that differ as the same collective of a group
+        (audit.differ_in_flight: another op, element count, dtype or root), report at once
+        rather than after HPCDDP_TIMEOUT: that wait has no good end."""
+        self._waits_due = False
+        self._waits_next = now + self._waits_gap
+        self._waits_gap = min(2 * self._waits_gap, WAIT_LOOK_MAX)
+        if now < self._quiet_until:
+            return
+        snaps, gone = self.query(list(range(self.size)), self.settings.peer_timeout)
+        found = None if self._stopping else _audit.differ_in_flight(snaps, WAIT_LOOK_AFTER)
+        if found:
+            (name, _, _, seq), calls = found
+            self._report_from(snaps, gone, f"ranks have waited {WAIT_LOOK_AFTER:g} s or more "
+                              f"in different calls as #{seq} on {name}")
 
     # -- gathering and reporting -------------------------------------------------------------------
     def query(self, ranks, wait: float) -> tuple:

@@ -119,6 +119,20 @@ CASES = [
     Case("ended_early_clean", "ended_early.py", 3, args=("clean",),
          env={"HPCDDP_TIMEOUT": "600"}, rc=(0,), report=False, no_report=True, marked=False,
          min_count={r"\[rank\d\] done": 3}),
+    # ranks wait in different calls as the same collective, HPCDDP_TIMEOUT=600: reported
+    # within seconds by the coordinator's look at long waits
+    Case("wait_mismatch_op", "wait_mismatch.py", 3, args=("op",),
+         env={"HPCDDP_TIMEOUT": "600"}, bound=12.0, expect=(
+             r"rank 0 writes it: ranks have waited 2 s or more in different calls as #4 on WORLD",
+             r"ranks 0,2 all_reduce\(shape=\[4\], float32\); rank 1 broadcast\(src=0, "
+             r"shape=\[4\], float32\); the culprit: rank 1",
+         )),
+    Case("wait_mismatch_count", "wait_mismatch.py", 3, args=("count",),
+         env={"HPCDDP_TIMEOUT": "600"}, bound=12.0, expect=(
+             r"rank 0 writes it: ranks have waited 2 s or more in different calls as #4 on WORLD",
+             r"ranks 0,2 all_reduce\(shape=\[2097151\], float32\); rank 1 all_reduce\("
+             r"shape=\[2097152\], float32\); the culprit: rank 1",
+         )),
     Case("exception_no_abort", "exception_rank.py", 4, args=("no-abort",), expect=(
         r"ranks 0,1,3 have waited [\d.]+ s in all_reduce #3 \(shape=\[8\], float32\) on WORLD",
         r"rank 2 has not called all_reduce #3 on WORLD: it is in hpcddp's finalize: its script "

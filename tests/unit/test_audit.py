@@ -133,3 +133,42 @@ def test_rank_0s_work_per_look_stays_bounded_in_large_jobs():
     assert audit.rows_per_look(2) == audit.MAX_ROWS
     assert audit.rows_per_look(1024) * 1024 <= max(audit.ALL_ROWS, 32 * 1024)
     assert audit.rows_per_look(1 << 20) == 32
+
+
+# -- calls in flight (the watchdog's look at long waits) ----------------------------------------
+
+def _waiting(op="all_reduce", shape=(4,), dtype="float32", peer=None, age=3.0, seq=4, gen=0,
+             group="WORLD", ranks=(0, 1, 2)):
+    return {"op": op, "seq": seq, "group": group, "ranks": list(ranks), "gen": gen,
+            "shape": None if shape is None else list(shape), "dtype": dtype, "peer": peer,
+            "age": age, "abandoned": False}
+
+
+def _snaps(*calls, blocked=True):
+    return {r: {"inflight": [d], "blocked": blocked} for r, d in enumerate(calls)}
+
+
+def test_ranks_waiting_in_different_calls_are_found():
+    found = audit.differ_in_flight(_snaps(_waiting(), _waiting("broadcast", peer=0),
+                                          _waiting()), 2.0)
+    assert found == (("WORLD", (0, 1, 2), 0, 4),
+                     {("all_reduce", 4, "float32", None): [0, 2],
+                      ("broadcast", 4, "float32", 0): [1]}), found
+    for odd in (_waiting(shape=(2, 3)), _waiting(dtype="int32"), _waiting("barrier", None, None)):
+        assert audit.differ_in_flight(_snaps(_waiting(shape=(2, 2)), odd), 2.0), odd
+
+
+def test_waits_that_may_end_well_are_not_found():
+    same = _waiting(shape=(2, 2))
+    for calls, why in (
+            ((_waiting(), same), "the same count in another shape"),
+            ((_waiting(), _waiting("broadcast", age=1.0)), "one call is younger than the look"),
+            ((_waiting(), _waiting("broadcast", gen=1)), "another group of the same name"),
+            ((_waiting(gen=None), _waiting("broadcast", gen=None)), "an unnamed group"),
+            ((_waiting(), _waiting("broadcast", seq=5)), "another call of the group"),
+            ((_waiting("all_to_all", (4,)), _waiting("all_to_all", (6,))), "sizes free by rank"),
+            ((_waiting("send", peer=1), _waiting("recv", peer=0)), "point-to-point"),
+            ((_waiting(), _waiting("monitored_barrier", None, None)), "its own timeout")):
+        assert audit.differ_in_flight(_snaps(*calls), 2.0) is None, why
+    assert audit.differ_in_flight(_snaps(_waiting(), _waiting("broadcast"), blocked=False),
+                                  2.0) is None, "ranks computing with calls in flight"
