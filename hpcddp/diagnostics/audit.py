@@ -61,14 +61,17 @@ def collect(sent: dict, limit: int = MAX_ROWS) -> dict:
     out: dict = {}
     for _, key, e in rows[-limit:]:
         shape = tuple(int(d) for d in e[_rec.SHAPE])
-        peer = e[_rec.PEER]
-        out.setdefault(key, []).append((
-            e[_rec.SEQ], e[_rec.OP], math.prod(shape),
-            str(e[_rec.DTYPE]).replace("torch.", ""),
-            peer if isinstance(peer, int) else None, shape))
+        dtype = str(e[_rec.DTYPE]).replace("torch.", "")
+        out.setdefault(key, []).append(
+            (e[_rec.SEQ], *compared(e[_rec.OP], shape, dtype, e[_rec.PEER]), shape))
     for key, calls in out.items():
         sent[key] = max(sent.get(key, 0), max(c[0] for c in calls))
     return out
+
+
+def compared(op: str, shape, dtype: str, peer) -> tuple:
+    """What the audit compares of a call: (op, element count, dtype, root)."""
+    return op, math.prod(shape), dtype, peer if isinstance(peer, int) else None
 
 
 def differ_in_flight(snaps: dict, min_age: float):
@@ -90,7 +93,7 @@ def differ_in_flight(snaps: dict, min_age: float):
             elif op in _LEFT_OUT or shape is None or d["dtype"] is None:
                 continue
             else:
-                call = (op, math.prod(shape), d["dtype"], peer if isinstance(peer, int) else None)
+                call = compared(op, shape, d["dtype"], peer)
             at = (d["group"], tuple(d["ranks"]), d["gen"], d["seq"])
             slots.setdefault(at, {}).setdefault(call, []).append(r)
     for at, calls in slots.items():

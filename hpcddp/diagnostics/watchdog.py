@@ -59,6 +59,27 @@ ENDED_LOOK_AFTER, ENDED_LOOK_MAX = 1.0, 16.0
 WAIT_LOOK_AFTER, WAIT_LOOK_MAX = 2.0, 32.0
 
 
+class _Look:
+    """When the coordinator next asks every rank for one kind of look: due DELAY seconds after
+    it is first told, then at gaps doubling from FIRST to MOST; ONCE: each telling buys one
+    look (a long wait), else it stays due (ranks whose script has ended)."""
+
+    def __init__(self, delay: float, first: float, most: float, once: bool):
+        self.delay, self.gap, self.most, self.once = delay, first, most, once
+        self.due, self.next = False, 0.0
+
+    def told(self, now: float) -> None:
+        if not self.due:
+            self.due, self.next = True, max(self.next, now + self.delay)
+
+    def ready(self, now: float) -> bool:
+        if not self.due or now < self.next:
+            return False
+        self.next, self.gap = now + self.gap, min(2 * self.gap, self.most)
+        self.due = not self.once
+        return True
+
+
 class Watchdog:
     def __init__(self, world, settings: _cfg.Settings, host: str, base=None):
         self.world = world                       # hpcddp's WORLD Communicator (for records)
@@ -110,10 +131,10 @@ class Watchdog:
         #                                          the script has ended, no more looks)
         # the coordinator's: ranks whose script has ended, when to look next and the gap after
         self._ended: set = set()
-        self._ended_next, self._ended_gap = 0.0, ENDED_LOOK_AFTER
+        self._ended_look = _Look(ENDED_LOOK_AFTER, ENDED_LOOK_AFTER, ENDED_LOOK_MAX, once=False)
         # a long wait: the call this rank told the coordinator of; the coordinator's look
         self._waiting_told = None
-        self._waits_due, self._waits_next, self._waits_gap = False, 0.0, WAIT_LOOK_AFTER
+        self._waits_look = _Look(0.0, WAIT_LOOK_AFTER, WAIT_LOOK_MAX, once=True)
         self.thread = threading.Thread(target=self._run, name="hpcddp-watchdog", daemon=True)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -161,17 +182,22 @@ class Watchdog:
         if not self.multiple or self.size < 2 or self.settings.timeout is None \
                 or self.peer_failures_survivable:
             return
+        self._tell_coordinator(TAG_ENDED)
+
+    def _tell_coordinator(self, tag: int) -> None:
+        """TAG (no payload) to the coordinator; the coordinator notes it itself."""
         coord = self._coordinator()
-        if coord == self.rank:
+        if coord != self.rank:
+            self._send(None, coord, tag)
+        elif tag == TAG_ENDED:
             self._note_ended(self.rank)
         else:
-            self._send(None, coord, TAG_ENDED)
+            self._waits_look.told(time.monotonic())
 
     def _note_ended(self, rank: int) -> None:
         with self._lock:
-            if not self._ended:
-                self._ended_next = time.monotonic() + ENDED_LOOK_AFTER
             self._ended.add(rank)
+            self._ended_look.told(time.monotonic())
 
     def set_timeout(self, timeout: float | None) -> None:
         self.settings = dataclasses.replace(self.settings, timeout=timeout,
@@ -223,7 +249,7 @@ class Watchdog:
                 elif tag == TAG_ENDED:
                     self._note_ended(src)
                 elif tag == TAG_WAITING:
-                    self._waits_due = True
+                    self._waits_look.told(time.monotonic())
                 elif tag == TAG_AUDIT:
                     final, rows = obj
                     self.ledger.add(src, rows, time.monotonic())
@@ -340,11 +366,11 @@ class Watchdog:
         if self.audit and now >= self._audit_next:
             self._audit_next = now + AUDIT_EVERY
             self._audit_look(now)
-        if self._ended and now >= self._ended_next and len(self._ended) < self.size:
+        if self._ended_look.ready(now) and len(self._ended) < self.size:
             self._look_at_the_end(now)
         if self._early_looks():
             self._tell_of_a_long_wait(now)
-            if self._waits_due and now >= self._waits_next:
+            if self._waits_look.ready(now):
                 self._look_at_long_waits(now)
         local = self.local_stall(now)
         with self._lock:
@@ -453,17 +479,20 @@ class Watchdog:
         at once: that wait has no end, and HPCDDP_TIMEOUT (600 s by default) would pass
         first. Ranks waiting in a call the ended ones made (a broadcast's root ends first)
         or computing are not reported."""
-        self._ended_next = now + self._ended_gap
-        self._ended_gap = min(2 * self._ended_gap, ENDED_LOOK_MAX)
+        def found(snaps):
+            op, ended = _report.ended_without(snaps, self.size)
+            return ended and (f"{_report.ranks_word(ended)} ended without calling "
+                              f"{_report.op_text(op)}, which other ranks wait in")
+        self._ask_and_report(now, found)
+
+    def _ask_and_report(self, now: float, found) -> None:
+        """Ask every rank; where FOUND(snapshots) gives a reason, report with it now."""
         if now < self._quiet_until:
             return
         snaps, gone = self.query(list(range(self.size)), self.settings.peer_timeout)
-        if self._stopping:
-            return
-        op, ended = _report.ended_without(snaps, self.size)
-        if ended:
-            self._report_from(snaps, gone, f"{_report.ranks_word(ended)} ended without "
-                              f"calling {_report.op_text(op)}, which other ranks wait in")
+        reason = None if self._stopping else found(snaps)
+        if reason:
+            self._report_from(snaps, gone, reason)
 
     # -- ranks waiting in different calls ------------------------------------------------------
     def _early_looks(self) -> bool:
@@ -485,28 +514,18 @@ class Watchdog:
                 or not _state.blocked_threads(exclude=(self.thread.ident,)):
             return
         self._waiting_told = oldest
-        coord = self._coordinator()
-        if coord == self.rank:
-            self._waits_due = True
-        else:
-            self._send(None, coord, TAG_WAITING)
+        self._tell_coordinator(TAG_WAITING)
 
     def _look_at_long_waits(self, now: float) -> None:
         """A rank has waited WAIT_LOOK_AFTER seconds in a collective: ask every rank, and where
         ranks have waited that long in calls that differ as the same collective of a group
         (audit.differ_in_flight: another op, element count, dtype or root), report at once
         rather than after HPCDDP_TIMEOUT: that wait has no good end."""
-        self._waits_due = False
-        self._waits_next = now + self._waits_gap
-        self._waits_gap = min(2 * self._waits_gap, WAIT_LOOK_MAX)
-        if now < self._quiet_until:
-            return
-        snaps, gone = self.query(list(range(self.size)), self.settings.peer_timeout)
-        found = None if self._stopping else _audit.differ_in_flight(snaps, WAIT_LOOK_AFTER)
-        if found:
-            (name, _, _, seq), calls = found
-            self._report_from(snaps, gone, f"ranks have waited {WAIT_LOOK_AFTER:g} s or more "
-                              f"in different calls as #{seq} on {name}")
+        def found(snaps):
+            differ = _audit.differ_in_flight(snaps, WAIT_LOOK_AFTER)
+            return differ and (f"ranks have waited {WAIT_LOOK_AFTER:g} s or more in "
+                               f"different calls as #{differ[0][3]} on {differ[0][0]}")
+        self._ask_and_report(now, found)
 
     # -- gathering and reporting -------------------------------------------------------------------
     def query(self, ranks, wait: float) -> tuple:
