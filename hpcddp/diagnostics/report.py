@@ -178,6 +178,51 @@ def ended_without(snaps: dict, size: int) -> tuple:
     return op, ended
 
 
+def _p2p_peers(d: dict, rank: int, size: int) -> list | None:
+    """The world ranks a send or receive D of RANK can be matched by: its peer, every other
+    member for a receive from any rank; None where that cannot be told."""
+    members, peer = list(d.get("ranks") or range(size)), d.get("peer")
+    if peer is None:
+        return [m for m in members if m != rank] if d["op"] == "recv" else None
+    return [members[peer]] if isinstance(peer, int) and 0 <= peer < len(members) else None
+
+
+def p2p_without_peer(snaps: dict, size: int, min_age: float = 1.0) -> tuple:
+    """(rank, its oldest wait, the ended ranks it waits for) of a rank that waits only in
+    sends and receives none of whose peers can still match: each peer's script has ended
+    (hpcddp's finalize) with no send or receive towards this rank left in flight, and the
+    wait is MIN_AGE seconds old, so a message the peer sent before it ended has had time to
+    arrive. (None, None, []) where no rank waits so, or it cannot be told."""
+    for r, s in sorted(snaps.items()):
+        if not s or not s.get("blocked", True) or s.get("finalizing"):
+            continue
+        waits = [d for d in s["inflight"] if d["op"] != "finalize" and d["op"] not in _SELF_TIMED
+                 and not d.get("abandoned")]
+        if not waits or any(d["op"] not in P2P_OPS or d["age"] < min_age for d in waits):
+            continue
+        ended: set = set()
+        for d in waits:
+            peers = _p2p_peers(d, r, size)
+            if not peers or not all(_ended_apart_from(snaps.get(p), r, size) for p in peers):
+                break
+            ended.update(peers)
+        else:
+            return r, max(waits, key=lambda d: d["age"]), sorted(ended)
+    return None, None, []
+
+
+def _ended_apart_from(snap: dict | None, rank: int, size: int) -> bool:
+    """SNAP's rank has ended its script and holds no send or receive with RANK in flight."""
+    if not snap or not snap.get("finalizing"):
+        return False
+    for d in snap["inflight"]:
+        if d["op"] in P2P_OPS:
+            peers = _p2p_peers(d, snap.get("rank"), size)
+            if peers is None or rank in peers:
+                return False
+    return True
+
+
 def analyse(snaps: dict, gone: dict, size: int) -> dict:
     """What is stuck and why. snaps: rank -> snapshot; gone: rank -> what is known of a rank
     that did not answer. Returns {"lines": [...], "hints": [...], "stall": bool}: the calls

@@ -477,12 +477,19 @@ class Watchdog:
         """Some ranks' scripts have ended (:meth:`script_ended`): ask every rank, and where one
         waits in a collective that an ended member never called (it can only end now), report
         at once: that wait has no end, and HPCDDP_TIMEOUT (600 s by default) would pass
-        first. Ranks waiting in a call the ended ones made (a broadcast's root ends first)
-        or computing are not reported."""
+        first. Likewise a rank that waits only in sends and receives whose peers have all
+        ended with nothing towards it in flight (report.p2p_without_peer). Ranks waiting in a
+        call the ended ones made (a broadcast's root ends first) or computing are not
+        reported."""
         def found(snaps):
             op, ended = _report.ended_without(snaps, self.size)
-            return ended and (f"{_report.ranks_word(ended)} ended without calling "
-                              f"{_report.op_text(op)}, which other ranks wait in")
+            if ended:
+                return (f"{_report.ranks_word(ended)} ended without calling "
+                        f"{_report.op_text(op)}, which other ranks wait in")
+            rank, op, ended = _report.p2p_without_peer(snaps, self.size)
+            return ended and (f"{_report.ranks_word(ended)} ended without a "
+                              f"{'send' if op['op'] == 'recv' else 'receive'} that rank "
+                              f"{rank}'s {_report.op_text(op)} waits for")
         self._ask_and_report(now, found)
 
     def _ask_and_report(self, now: float, found) -> None:

@@ -119,6 +119,21 @@ CASES = [
     Case("ended_early_clean", "ended_early.py", 3, args=("clean",),
          env={"HPCDDP_TIMEOUT": "600"}, rc=(0,), report=False, no_report=True, marked=False,
          min_count={r"\[rank\d\] done": 3}),
+    # point-to-point: a rank waits in a send or receive whose peer has ended without its half
+    Case("ended_early_recv", "ended_early.py", 3, args=("recv",),
+         env={"HPCDDP_TIMEOUT": "600"}, bound=12.0, expect=(
+             r"rank 0 writes it: rank 2 ended without a send that rank 1's recv #1 \(from rank "
+             r"2, shape=\[256\], float32\) on WORLD waits for",
+             r"rank 2 \(its peer\) is in hpcddp's finalize: its script has ended",
+         )),
+    Case("ended_early_send", "ended_early.py", 3, args=("send",),
+         env={"HPCDDP_TIMEOUT": "600"}, bound=12.0, expect=(
+             r"rank 0 writes it: rank 2 ended without a receive that rank 1's send #1 \(to rank "
+             r"2, shape=\[2097152\], float32\) on WORLD waits for",
+         )),
+    Case("ended_early_p2p_clean", "ended_early.py", 3, args=("p2p_clean",),
+         env={"HPCDDP_TIMEOUT": "600"}, rc=(0,), report=False, no_report=True, marked=False,
+         min_count={r"\[rank\d\] done": 3}),
     # ranks wait in different calls as the same collective, HPCDDP_TIMEOUT=600: reported
     # within seconds by the coordinator's look at long waits
     Case("wait_mismatch_op", "wait_mismatch.py", 3, args=("op",),

@@ -270,6 +270,47 @@ def test_a_rank_that_ended_without_a_call_others_wait_in_is_named_at_once():
     assert report.ended_without(snaps, 4)[1] == []
 
 
+def test_a_send_or_receive_whose_peer_ended_without_its_half_is_named_at_once():
+    """The coordinator's look after a rank's script ended, for point-to-point waits."""
+    fin = dict(finalizing=True, blocked=True)
+    ended = _snap(3, [_op("finalize", 5, 2.0)], seq=5, **fin)
+    snaps = {0: _snap(0, seq=5), 1: _snap(1, [_op("recv", 1, 1.5, peer=3)], seq=5),
+             2: _snap(2, seq=5), 3: ended}
+    rank, op, peers = report.p2p_without_peer(snaps, 4)
+    assert (rank, op["op"], peers) == (1, "recv", [3])
+    # a blocking send to the ended rank (MPI's rendezvous waits for a receive)
+    snaps[1] = _snap(1, [_op("send", 1, 1.5, peer=3)], seq=5)
+    assert report.p2p_without_peer(snaps, 4)[2] == [3]
+    # a receive from any rank: only once every other member has ended
+    snaps[1] = _snap(1, [_op("recv", 1, 1.5)], seq=5)
+    assert report.p2p_without_peer(snaps, 4)[2] == []
+    for r in (0, 2):
+        snaps[r] = _snap(r, [_op("finalize", 5, 2.0)], seq=5, **fin)
+    assert report.p2p_without_peer(snaps, 4)[2] == [0, 2, 3]
+    # not told: the ended rank left an isend towards it in flight (it may still arrive) ...
+    snaps = {0: _snap(0, seq=5), 1: _snap(1, [_op("recv", 1, 1.5, peer=3)], seq=5),
+             2: _snap(2, seq=5),
+             3: _snap(3, [_op("finalize", 5, 2.0), _op("send", 2, 2.1, peer=1)], seq=5, **fin)}
+    assert report.p2p_without_peer(snaps, 4)[2] == []
+    # ... the peer still runs, the wait is young, or the rank also waits for a live rank
+    snaps[3] = _snap(3, seq=5, where="train.py:12 (in send_back)")
+    assert report.p2p_without_peer(snaps, 4)[2] == []
+    snaps[3] = ended
+    snaps[1] = _snap(1, [_op("recv", 1, 0.2, peer=3)], seq=5)
+    assert report.p2p_without_peer(snaps, 4)[2] == []
+    snaps[1] = _snap(1, [_op("recv", 1, 1.5, peer=3), _op("recv", 2, 1.5, peer=2)], seq=5)
+    assert report.p2p_without_peer(snaps, 4)[2] == []
+    # a collective in flight is the other look's (ended_without); a rank not blocked waits not
+    snaps[1] = _snap(1, [_op("recv", 1, 1.5, peer=3), _op("all_reduce", 6, 1.5)], seq=5)
+    assert report.p2p_without_peer(snaps, 4)[2] == []
+    snaps[1] = _snap(1, [_op("recv", 1, 1.5, peer=3)], seq=5, blocked=False)
+    assert report.p2p_without_peer(snaps, 4)[2] == []
+    # on a subgroup: the peer is a group rank, mapped to its world rank
+    sub = dict(group="group[1, 3]", ranks=(1, 3))
+    snaps[1] = _snap(1, [_op("recv", 1, 1.5, peer=1, **sub)], seq=5)
+    assert report.p2p_without_peer(snaps, 4)[2] == [3]
+
+
 def test_ranks_in_finalize_waiting_for_python_is_not_a_stall():
     snaps = {r: _snap(r, [_op("finalize", 9, 5.0)], seq=9, finalizing=True) for r in (1, 2, 3)}
     snaps[0] = _snap(0, seq=9, where="train.py:120 (in save_checkpoint)")
