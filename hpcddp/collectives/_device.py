@@ -37,6 +37,7 @@ from hpcddp.comm import ops as _ops
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.buffers import DevicePointerRefused, TensorError
 from hpcddp.collectives._gpu_staging import Staging, default_staging
+from hpcddp.collectives.call import recorded_name
 
 IN_PLACE = MPI.IN_PLACE
 DIRECT, STAGING = _cuda.DIRECT, _cuda.STAGING
@@ -167,7 +168,7 @@ def all_reduce(tensor, op, comm, async_op, ctx: DeviceCtx = _DEFAULT):
     if _route(ctx, fn, tensor, mop) == STAGING:
         return _elementwise(ctx, tensor, lambda h, a: R.all_reduce(h, op, comm, a),
                             read=True, write=True, async_op=async_op)
-    entry = _c.record(comm, fn, tensor.shape, tensor.dtype)
+    entry = _c.record(comm, recorded_name(fn, kind), tensor.shape, tensor.dtype)
     _c.pre_reduce(tensor, op, kind)
     comm.mpi.Allreduce(IN_PLACE, _buf(tensor, fn, "tensor", ctx), mop)
     _c.post_reduce(tensor, kind, comm.size)
@@ -185,7 +186,7 @@ def reduce(tensor, dst, op, comm, async_op, ctx: DeviceCtx = _DEFAULT):
     if _route(ctx, fn, tensor, mop) == STAGING:
         return _elementwise(ctx, tensor, lambda h, a: R.reduce(h, dst, op, comm, a),
                             read=True, write=root, async_op=async_op)
-    entry = _c.record(comm, fn, tensor.shape, tensor.dtype, dst)
+    entry = _c.record(comm, recorded_name(fn, kind), tensor.shape, tensor.dtype, dst)
     if root:
         _c.pre_reduce(tensor, op, kind)
         comm.mpi.Reduce(IN_PLACE, _buf(tensor, fn, "tensor", ctx), mop, root=dst)
@@ -214,7 +215,7 @@ def reduce_scatter_tensor(output, input, op, comm, async_op, ctx: DeviceCtx = _D
         raise ValueError(f"{fn}: input has {input.numel()} elements, expected "
                          f"{output.numel() * comm.size} (output's {output.numel()} x group size "
                          f"{comm.size})")
-    entry = _c.record(comm, "reduce_scatter", output.shape, output.dtype)
+    entry = _c.record(comm, recorded_name("reduce_scatter", kind), output.shape, output.dtype)
     if kind == _PREMUL:
         input = input.clone()
         _c.pre_reduce(input, op, kind)

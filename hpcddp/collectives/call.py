@@ -131,6 +131,22 @@ def reduce_op(op, dtype: torch.dtype, fn: str):
     return hit
 
 
+_names: dict = {}
+
+
+def recorded_name(fn: str, kind) -> str:
+    """The name a reduction FN with reduce op KIND is recorded under: FN for a SUM, else
+    FN[OP] (``all_reduce[MAX]``), so that the audit, the agreement and the stall report tell
+    apart ranks that reduce with different ops."""
+    if kind == _SUM:
+        return fn
+    key = (fn, int(kind))
+    name = _names.get(key)
+    if name is None:
+        name = _names[key] = f"{fn}[{kind.name}]"
+    return name
+
+
 def pair(fn: str, output, input, group, async_op: bool, out_arg: str = "output",
          in_arg: str = "input") -> Call:
     """The Call of op FN from INPUT into OUTPUT, with their views ``out`` and ``inp`` (or

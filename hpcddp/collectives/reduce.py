@@ -13,7 +13,7 @@ from hpcddp.collectives import engine as _engine
 from hpcddp.collectives._common import CompletedWork, as_array, check_list, same_spec
 from hpcddp.collectives._plans import (REDUCE_SCATTER_LIST, REDUCE_SCATTER_TENSOR,
                                        hit as _plan_hit, rhit as _reduce_hit, xhit as _xhit)
-from hpcddp.collectives.call import Call, reduce_op, resolve, take
+from hpcddp.collectives.call import Call, recorded_name, reduce_op, resolve, take
 from hpcddp.collectives.paths import route
 from hpcddp.comm.buffers import DeviceTensor
 
@@ -36,7 +36,8 @@ def _reduction(fn: str, tensor, op, group, async_op, arg: str = "tensor") -> Cal
     # the MPI op: on the device too, where a user-defined one (bfloat16) keeps it off the
     # CUDA-aware row
     call.mop, call.kind = reduce_op(op, tensor.dtype, fn)
-    call.name, call.shape, call.root, call.red = fn, tensor.shape, None, call.kind
+    call.name = fn if call.kind == SUM_KIND else recorded_name(fn, call.kind)
+    call.shape, call.root, call.red = tensor.shape, None, call.kind
     call.results, call.memo = [tensor], None
     return call
 
@@ -120,7 +121,7 @@ def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
         call.nbytes = inp.nbytes            # the paths' thresholds are on the whole input
         if not async_op and call.kind == SUM_KIND:
             call.memo = (output, input)     # planned on its second call in a row
-    call.name = "reduce_scatter"
+    call.name = recorded_name("reduce_scatter", call.kind)
     return take(_REDUCE_SCATTER_TENSOR, call)
 
 

@@ -69,10 +69,12 @@ _dtype_codes: dict = {None: 0}
 
 
 def _codes(op: str, dtype) -> tuple:
-    """(op code, dtype code), each computed once per process."""
+    """(op code, dtype code), each computed once per process. A reduction recorded under its
+    reduce op (``all_reduce[MAX]``: call.recorded_name) has its op's code: the fingerprint
+    holds the reduce op apart (RED)."""
     oc = _op_codes.get(op)
     if oc is None:
-        oc = _op_codes[op] = _code(op, OPS)
+        oc = _op_codes[op] = _code(op.split("[", 1)[0], OPS)
     dc = _dtype_codes.get(dtype)
     if dc is None:
         dc = _dtype_codes[dtype] = _code(str(dtype).replace("torch.", ""), DTYPES)

@@ -187,40 +187,77 @@ def _p2p_peers(d: dict, rank: int, size: int) -> list | None:
     return [members[peer]] if isinstance(peer, int) and 0 <= peer < len(members) else None
 
 
-def p2p_without_peer(snaps: dict, size: int, min_age: float = 1.0) -> tuple:
-    """(rank, its oldest wait, the ended ranks it waits for) of a rank that waits only in
-    sends and receives none of whose peers can still match: each peer's script has ended
-    (hpcddp's finalize) with no send or receive towards this rank left in flight, and the
-    wait is MIN_AGE seconds old, so a message the peer sent before it ended has had time to
-    arrive. (None, None, []) where no rank waits so, or it cannot be told."""
-    for r, s in sorted(snaps.items()):
-        if not s or not s.get("blocked", True) or s.get("finalizing"):
-            continue
-        waits = [d for d in s["inflight"] if d["op"] != "finalize" and d["op"] not in _SELF_TIMED
-                 and not d.get("abandoned")]
-        if not waits or any(d["op"] not in P2P_OPS or d["age"] < min_age for d in waits):
-            continue
-        ended: set = set()
-        for d in waits:
-            peers = _p2p_peers(d, r, size)
-            if not peers or not all(_ended_apart_from(snaps.get(p), r, size) for p in peers):
-                break
-            ended.update(peers)
-        else:
-            return r, max(waits, key=lambda d: d["age"]), sorted(ended)
-    return None, None, []
+def _p2p_waits(s: dict | None, min_age: float) -> list | None:
+    """A rank's waits where it waits only in sends and receives, each MIN_AGE seconds old;
+    else None."""
+    if not s or not s.get("blocked", True) or s.get("finalizing"):
+        return None
+    waits = [d for d in s["inflight"] if d["op"] != "finalize" and d["op"] not in _SELF_TIMED
+             and not d.get("abandoned")]
+    if not waits or any(d["op"] not in P2P_OPS or d["age"] < min_age for d in waits):
+        return None
+    return waits
 
 
-def _ended_apart_from(snap: dict | None, rank: int, size: int) -> bool:
-    """SNAP's rank has ended its script and holds no send or receive with RANK in flight."""
-    if not snap or not snap.get("finalizing"):
-        return False
+def _may_match(wait: dict, rank: int, snap: dict, size: int) -> bool:
+    """Whether SNAP's rank holds a send or receive in flight that RANK's WAIT may match (a
+    send to RANK for its receive, a receive from RANK or any rank for its send)."""
+    want = "send" if wait["op"] == "recv" else "recv"
     for d in snap["inflight"]:
-        if d["op"] in P2P_OPS:
+        if d["op"] == want:
             peers = _p2p_peers(d, snap.get("rank"), size)
             if peers is None or rank in peers:
-                return False
-    return True
+                return True
+    return False
+
+
+def _silent_since(snap: dict) -> float:
+    """The wall-clock time from which SNAP's rank has made no call: the start of its latest
+    call in flight (its finalize where it has ended)."""
+    ages = [d["age"] for d in snap["inflight"]]
+    return snap.get("wall", 0.0) - (min(ages) if ages else 0.0)
+
+
+def p2p_stuck(snaps: dict, size: int, min_age: float = 1.0) -> dict:
+    """{rank: (its oldest wait, the world ranks its waits are for)} of the ranks that wait
+    only in sends and receives no rank can match any more: each peer is *silent* and holds
+    nothing in flight the wait may match. A rank is silent where its script has ended
+    (hpcddp's finalize), or where it is itself stuck so, its main thread waiting and no
+    other thread of its own running that might still call hpcddp (a point-to-point
+    deadlock: both ranks receive first). Each wait must be MIN_AGE seconds old, and the
+    rank's snapshot taken MIN_AGE seconds after each peer went silent, so that a message the
+    peer sent before it ended or waited has had time to arrive. Empty where no
+    rank waits so, or it cannot be told (a peer not answering, a wait on the rank's own
+    node)."""
+    waits = {r: w for r, s in snaps.items() if (w := _p2p_waits(s, min_age)) is not None}
+    ended = {r for r, s in snaps.items() if s and s.get("finalizing")}
+    silent = ended | {r for r in waits if snaps[r].get("main_blocked")
+                      and snaps[r].get("running_threads", 1) == 0}
+
+    def stuck(r):
+        found, wall = set(), snaps[r].get("wall", 0.0)
+        for d in waits[r]:
+            peers = _p2p_peers(d, r, size)
+            # each rank's snapshot is taken when its watchdog answers (up to a poll apart):
+            # R's must come MIN_AGE after the peer went silent, else a message the peer sent
+            # just before may not have arrived when R's was taken
+            if not peers or any(p not in silent or _may_match(d, r, snaps[p], size)
+                                or wall - _silent_since(snaps[p]) < min_age for p in peers):
+                return None
+            found.update(peers)
+        return found
+
+    while True:                 # a silent rank that may go on is not silent: until none is
+        going = {r for r in silent - ended if stuck(r) is None}
+        if not going:
+            break
+        silent -= going
+    out = {}
+    for r in sorted(waits):
+        peers = stuck(r)
+        if peers:
+            out[r] = (max(waits[r], key=lambda d: d["age"]), sorted(peers))
+    return out
 
 
 def analyse(snaps: dict, gone: dict, size: int) -> dict:

@@ -88,6 +88,15 @@ def blocked_threads(frames=None, exclude=()) -> list:
             if tid not in exclude and is_blocking_frame(f)]
 
 
+def running_threads(frames: dict, *exclude) -> int:
+    """How many threads other than EXCLUDE, hpcddp's own and those waiting in hpcddp may
+    still call hpcddp on their own (a thread of the script, of a library)."""
+    blocked = {tid for tid, _ in blocked_threads(frames)}
+    return sum(1 for t in threading.enumerate()
+               if t.ident not in exclude and t.ident not in blocked
+               and not t.name.startswith("hpcddp-"))
+
+
 def _exc_text(exc) -> str:
     t = type(exc)
     name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
@@ -137,6 +146,7 @@ def snapshot(rank: int, host: str, pid: int, exclude_thread=None, extra=None) ->
         "threads": threads,
         "exception": None if exc is None else _exc_text(exc),
         "finalizing": any(e[_rec.OP] == "finalize" and e[_rec.T_END] == 0.0 for e in entries),
+        "running_threads": running_threads(frames, main.ident, exclude_thread),
     }
     if extra:
         snap.update(extra)

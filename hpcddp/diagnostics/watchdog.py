@@ -478,7 +478,7 @@ class Watchdog:
         waits in a collective that an ended member never called (it can only end now), report
         at once: that wait has no end, and HPCDDP_TIMEOUT (600 s by default) would pass
         first. Likewise a rank that waits only in sends and receives whose peers have all
-        ended with nothing towards it in flight (report.p2p_without_peer). Ranks waiting in a
+        ended with nothing towards it in flight (:meth:`_p2p_stuck`). Ranks waiting in a
         call the ended ones made (a broadcast's root ends first) or computing are not
         reported."""
         def found(snaps):
@@ -486,11 +486,23 @@ class Watchdog:
             if ended:
                 return (f"{_report.ranks_word(ended)} ended without calling "
                         f"{_report.op_text(op)}, which other ranks wait in")
-            rank, op, ended = _report.p2p_without_peer(snaps, self.size)
-            return ended and (f"{_report.ranks_word(ended)} ended without a "
-                              f"{'send' if op['op'] == 'recv' else 'receive'} that rank "
-                              f"{rank}'s {_report.op_text(op)} waits for")
+            return self._p2p_stuck(snaps)
         self._ask_and_report(now, found)
+
+    def _p2p_stuck(self, snaps: dict) -> str | None:
+        """Why a rank's sends and receives can never end (report.p2p_stuck), or None: their
+        peers ended without the other half, or wait themselves (a point-to-point deadlock)."""
+        stuck = _report.p2p_stuck(snaps, self.size)
+        for rank, (op, peers) in stuck.items():
+            if all(snaps[p].get("finalizing") for p in peers):
+                return (f"{_report.ranks_word(peers)} ended without a "
+                        f"{'send' if op['op'] == 'recv' else 'receive'} that rank {rank}'s "
+                        f"{_report.op_text(op)} waits for")
+        if stuck:
+            return ("a point-to-point deadlock: " + "; ".join(
+                f"rank {rank} waits in {_report.op_text(op)}" for rank, (op, _) in stuck.items())
+                + ": each for a rank that itself waits or has ended, so none can go on")
+        return None
 
     def _ask_and_report(self, now: float, found) -> None:
         """Ask every rank; where FOUND(snapshots) gives a reason, report with it now."""
@@ -508,30 +520,34 @@ class Watchdog:
             and timeout is not None and timeout > 2 * WAIT_LOOK_AFTER
 
     def _tell_of_a_long_wait(self, now: float) -> None:
-        """Where this rank has waited WAIT_LOOK_AFTER seconds in a collective, tell the
-        coordinator (once per call)."""
-        oldest = None
+        """Where this rank waits and its latest call in flight (a collective, a send or a
+        receive) is WAIT_LOOK_AFTER seconds old, tell the coordinator (once per call; the
+        latest, since an isend never waited for stays in flight while the rank goes on)."""
+        latest = None
         for e in list(_rec.RECORDER.buf):
-            if e is not None and e[_rec.T_END] == 0.0 and e[_rec.OP] not in _rec.P2P_OPS \
+            if e is not None and e[_rec.T_END] == 0.0 \
                     and e[_rec.OP] not in _report._SELF_TIMED and e[_rec.OP] != "finalize" \
                     and now - e[_rec.T_START] >= WAIT_LOOK_AFTER \
-                    and (oldest is None or e[_rec.T_START] < oldest[_rec.T_START]):
-                oldest = e
-        if oldest is None or oldest is self._waiting_told \
+                    and (latest is None or e[_rec.T_START] > latest[_rec.T_START]):
+                latest = e
+        if latest is None or latest is self._waiting_told \
                 or not _state.blocked_threads(exclude=(self.thread.ident,)):
             return
-        self._waiting_told = oldest
+        self._waiting_told = latest
         self._tell_coordinator(TAG_WAITING)
 
     def _look_at_long_waits(self, now: float) -> None:
-        """A rank has waited WAIT_LOOK_AFTER seconds in a collective: ask every rank, and where
+        """A rank has waited WAIT_LOOK_AFTER seconds in a call: ask every rank, and where
         ranks have waited that long in calls that differ as the same collective of a group
-        (audit.differ_in_flight: another op, element count, dtype or root), report at once
-        rather than after HPCDDP_TIMEOUT: that wait has no good end."""
+        (audit.differ_in_flight: another op, element count, dtype or root), or in sends and
+        receives no rank can match any more (:meth:`_p2p_stuck`), report at once rather than
+        after HPCDDP_TIMEOUT: that wait has no good end."""
         def found(snaps):
             differ = _audit.differ_in_flight(snaps, WAIT_LOOK_AFTER)
-            return differ and (f"ranks have waited {WAIT_LOOK_AFTER:g} s or more in "
-                               f"different calls as #{differ[0][3]} on {differ[0][0]}")
+            if differ:
+                return (f"ranks have waited {WAIT_LOOK_AFTER:g} s or more in different calls "
+                        f"as #{differ[0][3]} on {differ[0][0]}")
+            return self._p2p_stuck(snaps)
         self._ask_and_report(now, found)
 
     # -- gathering and reporting -------------------------------------------------------------------

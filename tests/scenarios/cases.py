@@ -202,6 +202,16 @@ CASES = [
                r"torch_timeout\.py:\d+"))
       for mode, op, group in (("init", "all_reduce", "WORLD"), ("barrier", "barrier", "WORLD"),
                               ("new_group", "all_reduce", r"group\[0, 1, 2\]"))),
+    # the coordinator's look at long waits names the deadlock at once (HPCDDP_TIMEOUT=600),
+    # and never a correct program's waits
+    Case("p2p_deadlock_early", "p2p_deadlock.py", 2, args=("torch",),
+         env={"HPCDDP_TIMEOUT": "600"}, bound=12.0, expect=(
+             r"rank 0 writes it: a point-to-point deadlock: rank 0 waits in recv #1 \(from rank "
+             r"1, shape=\[4\], float32\) on WORLD; rank 1 waits in recv #1 \(from rank 0, "
+             r"shape=\[4\], float32\) on WORLD",
+         )),
+    Case("p2p_waits_clean", "p2p_waits.py", 3, env={"HPCDDP_TIMEOUT": "600"}, rc=(0,),
+         report=False, no_report=True, marked=False, min_count={r"\[rank\d\] done": 3}),
     *(Case(f"p2p_deadlock_{api}", "p2p_deadlock.py", 2, args=(api,), expect=(
         r"a point-to-point deadlock: rank (\d) waits for rank (\d); rank \2 waits for rank \1",
         r"Blocking point-to-point calls wait for each other in a cycle")) for api in
@@ -219,6 +229,10 @@ CASES = [
         r"as #4 on WORLD \(ranks \[0, 1, 2\]\), and the call completed: ranks 0,1 all_reduce"
         r"\(shape=\[4\], float32\); rank 2 all_reduce\(shape=\[4\], int32\); the culprit: "
         r"rank 2",)),
+    Case("audit_reduce_op_at_exit", "small_mismatch.py", 3, args=("op",), expect=(
+        r"as #4 on WORLD \(ranks \[0, 1, 2\]\), and the call completed: ranks 0,1 all_reduce"
+        r"\(shape=\[4\], float32\); rank 2 all_reduce\[MAX\]\(shape=\[4\], float32\); the "
+        r"culprit: rank 2",)),
     Case("audit_root_while_running", "small_mismatch.py", 2, args=("root",), bound=6.0,
          expect=(r"as #4 on WORLD \(ranks \[0, 1\]\), and the call completed: rank 0 "
                  r"broadcast\(src=0, shape=\[8\], float32\); rank 1 broadcast\(src=1, "

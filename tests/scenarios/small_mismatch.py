@@ -4,6 +4,8 @@ Modes (argv[1]):
 - dtype: rank 2 all_reduces 4 int32 where the others all_reduce 4 float32 (the same 16 bytes:
   MPI completes it with wrong data), then the script ends normally. The audit at the script's
   end names rank 2.
+- op: rank 2 all_reduces with MAX where the others SUM (MPI mixes the two: wrong data on
+  every rank), then the script ends normally. The audit at the script's end names rank 2.
 - root: rank 1 broadcasts from src=1 where the others take src=0, at 2 ranks each side's
   tensor is overwritten by the other's: wrong data, then the job goes on computing for 30 s.
   The audit's look within a second or two ends it.
@@ -32,6 +34,11 @@ print(f"[rank{rank}] stall point {time.time():.3f}", flush=True)
 if mode == "dtype":
     x = torch.ones(4, dtype=torch.int32 if rank == 2 else torch.float32)
     dist.all_reduce(x)
+    for _ in range(5):
+        dist.all_reduce(t)
+elif mode == "op":
+    x = torch.full((4,), float(rank))
+    dist.all_reduce(x, op=dist.ReduceOp.MAX if rank == 2 else dist.ReduceOp.SUM)
     for _ in range(5):
         dist.all_reduce(t)
 elif mode == "root":

@@ -172,3 +172,19 @@ def test_waits_that_may_end_well_are_not_found():
         assert audit.differ_in_flight(_snaps(*calls), 2.0) is None, why
     assert audit.differ_in_flight(_snaps(_waiting(), _waiting("broadcast"), blocked=False),
                                   2.0) is None, "ranks computing with calls in flight"
+
+
+def test_a_reduce_op_on_one_rank_is_recorded_under_its_name_and_found():
+    import torch.distributed as dist
+    from hpcddp.collectives.call import recorded_name
+    K = dist.ReduceOp.RedOpType
+    assert recorded_name("all_reduce", K.SUM) == "all_reduce"
+    assert recorded_name("all_reduce", K.MAX) == "all_reduce[MAX]"
+    assert recorded_name("reduce_scatter", K.AVG) == "reduce_scatter[AVG]"
+    ledger = audit.Ledger()
+    for r in range(3):
+        op = recorded_name("all_reduce", K.MAX if r == 2 else K.SUM)
+        ledger.add(r, {WORLD3: [_call(op=op)]}, 0.0)
+    (text,) = ledger.take(1.0)
+    assert ("ranks 0,1 all_reduce(shape=[4], float32); rank 2 all_reduce[MAX](shape=[4], "
+            "float32); the culprit: rank 2") in text
