@@ -2,7 +2,8 @@
 `hpcddp bench comm` runs (docs/benchmarks/crossover/): how often each op and size held
 hpcddp's time <= 1/0.95 of raw mpi4py's over the runs, and old/new A/B of the per-size races.
 
-    python scripts/crossover_table.py docs/benchmarks/crossover
+    python scripts/crossover_table.py docs/benchmarks/crossover          # from 256 KiB
+    python scripts/crossover_table.py docs/benchmarks/spread-5-runs 4    # every size
 """
 from __future__ import annotations
 
@@ -67,14 +68,15 @@ def ab(folder: str) -> list[str]:
     return lines
 
 
-def main(folder: str) -> None:
+def main(folder: str, smallest: int = 256 << 10) -> None:
     runs = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(folder, "run*.json")))]
     for impl in ("direct", "hpcddp"):
-        print("\n".join(spread(runs, impl, 256 << 10)), end="\n\n")
+        print("\n".join(spread(runs, impl, smallest)), end="\n\n")
     print("\n".join(decisions(runs)), end="\n\n")
     if glob.glob(os.path.join(folder, "ab", "old-*.json")):
         print("\n".join(ab(os.path.join(folder, "ab"))))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks/crossover")
+    main(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks/crossover",
+         int(sys.argv[2]) if len(sys.argv) > 2 else 256 << 10)

@@ -90,11 +90,15 @@ def blocked_threads(frames=None, exclude=()) -> list:
 
 def running_threads(frames: dict, *exclude) -> int:
     """How many threads other than EXCLUDE, hpcddp's own and those waiting in hpcddp may
-    still call hpcddp on their own (a thread of the script, of a library)."""
+    still call hpcddp on their own (a thread of the script, of a library). Every thread the
+    interpreter runs counts (FRAMES, sys._current_frames: also those started with
+    ``_thread``, which threading does not list); hpcddp's own are told by the function they
+    run, not by their name."""
     blocked = {tid for tid, _ in blocked_threads(frames)}
-    return sum(1 for t in threading.enumerate()
-               if t.ident not in exclude and t.ident not in blocked
-               and not t.name.startswith("hpcddp-"))
+    own = {t.ident for t in threading.enumerate()
+           if str(getattr(getattr(t, "_target", None), "__module__", None)).startswith("hpcddp.")}
+    return sum(1 for tid in frames if tid not in exclude and tid not in blocked
+               and tid not in own)
 
 
 def _exc_text(exc) -> str:

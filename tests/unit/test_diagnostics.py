@@ -507,3 +507,28 @@ def test_stall_report_names_the_lossy_link():
     snaps[1]["tcp"]["peers"] = {"10.9.0.3": [4000, 3, 0]}
     snaps[2]["tcp"]["peers"] = {"10.9.0.1": [30, 1, 1]}
     assert network.lossy_links(snaps) == []
+
+
+def test_running_threads_counts_every_thread_that_may_still_call_hpcddp():
+    """A thread started with _thread (threading does not list it) or named like hpcddp's own
+    may still send: it counts; hpcddp's own threads (by the function they run) do not."""
+    import _thread
+    import sys as _sys
+    from hpcddp.diagnostics import state
+    gate = threading.Event()
+    main = threading.main_thread().ident
+    before = state.running_threads(_sys._current_frames(), main)
+    _thread.start_new_thread(gate.wait, (10,))
+    user = threading.Thread(target=gate.wait, args=(10,), name="hpcddp-sender")
+    user.start()
+    own = threading.Thread(target=state.blocked_threads, name="x")   # an hpcddp function
+    own._target = lambda: gate.wait(10)
+    own._target.__module__ = "hpcddp.collectives.engine"
+    own.start()
+    try:
+        time.sleep(0.1)
+        assert state.running_threads(_sys._current_frames(), main) == before + 2
+    finally:
+        gate.set()
+        user.join()
+        own.join()
