@@ -203,3 +203,30 @@ def test_a_path_that_leaves_the_core_free_takes_a_tie(monkeypatch, ratio, win, t
     assert found.as_dict()["win"] == win
     if not takes:
         assert found.why().startswith("not 5% faster" if win < 1 else "over 5% slower")
+
+
+def test_docs_spread_tables_are_the_committed_runs(capsys):
+    """docs/benchmarks/spread-5-runs/tables.md (every size) is what scripts/crossover_table.py
+    makes of those five runs, and the page's counts of rows held are theirs."""
+    import glob
+    import json
+    import runpy
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    folder = root / "docs" / "benchmarks" / "spread-5-runs"
+    script = runpy.run_path(str(root / "scripts" / "crossover_table.py"), run_name="tables")
+    script["main"](str(folder), 4)
+    assert capsys.readouterr().out == (folder / "tables.md").read_text()
+    runs = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(str(folder / "run*.json")))]
+    held = {}
+    for impl in ("direct", "hpcddp"):
+        per = [script["ratios"](r, impl) for r in runs]
+        for small in (True, False):
+            keys = [k for k in per[0] if (k[1] < 256 << 10) == small]
+            held[impl, small] = (sum(sum(p[k] <= script["LIMIT"] for p in per) >= 4
+                                     for k in keys), len(keys))
+    page = (root / "docs" / "benchmarks.md").read_text()
+    assert f"| direct API, now | {held['direct', True][0]} of {held['direct', True][1]} " in page
+    assert f"**{held['direct', False][0]} of {held['direct', False][1]}** |" in page
+    assert (f"| `torch.distributed`, now | {held['hpcddp', True][0]} of {held['hpcddp', True][1]} "
+            f"| {held['hpcddp', False][0]} of {held['hpcddp', False][1]} |") in page
