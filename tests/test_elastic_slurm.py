@@ -45,6 +45,14 @@ def batch(out: pathlib.Path, **options) -> str:
 LOST_IN_START_UP = "of the job died during start-up"
 
 
+def lost_in_start_up(log: str) -> bool:
+    """A rank died before the job started: hpcddp.init says so, or Open MPI itself crashed
+    inside MPI_Init (seen once in CI here: every process of the job segfaulted in
+    ompi_comm_revoke_local, called from ompi_mpi_init on a peer's failure, before any hpcddp
+    code ran)."""
+    return LOST_IN_START_UP in log or ("Segmentation fault" in log and "ompi_mpi_init" in log)
+
+
 def run_batch(tmp_path, text: str) -> str:
     """Submit TEXT, wait for it to end COMPLETED, return its log."""
     script = tmp_path / "elastic.sbatch"
@@ -55,7 +63,7 @@ def run_batch(tmp_path, text: str) -> str:
         job_id = res.stdout.strip().split(";")[0]
         job = Job(job_id, tmp_path, f"elastic-{job_id}.out")
         recs = job.wait(timeout=400)
-        if attempt == 1 and LOST_IN_START_UP in job.logs() and any(
+        if attempt == 1 and lost_in_start_up(job.logs()) and any(
                 r.get("JobState") != "COMPLETED" for r in recs):
             print(f"a rank was lost in MPI's start-up: submitting again; the first run's log:\n"
                   f"{job.logs()[-3000:]}")
