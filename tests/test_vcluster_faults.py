@@ -69,6 +69,10 @@ def job_processes(node: str) -> list:
 def clean_nodes(cluster):
     """Each test starts with no process of an earlier job on the nodes: what a failed test left
     behind is killed here (and printed), so that it fails that test only."""
+    kill_leftovers()
+
+
+def kill_leftovers() -> None:
     for i in range(1, 5):
         for p in node_processes(NAME, f"node{i}", ("prte", "vcluster/job_")):
             print(f"killing what an earlier test left on node{i}: {p}")
@@ -125,6 +129,12 @@ def launch_on_nodes(nodes: int, *, ulfm: bool = False, grace: int = 15) -> list:
 # after a fault test's leftovers on a node: its PMIx listener could not start). Such a start
 # is retried once: these tests are about the job's faults, not the launcher's start.
 LAUNCHER_NOT_STARTED = "The PMIx server's listener thread failed to start"
+# Open MPI 5.0.11's launcher (prterun) crashing as a node is cut from a job started with free
+# slots for a grow-back: its PMIx server fails to unpack a request (pmix_server_dyn.c), then
+# loses a daemon and ends the job (status 250, "corrupted size vs. prev_size" or "free():
+# invalid pointer"), before any replacement is spawned. Seen here on 2026-11-28 in about half
+# of the runs of the spawn case, with this session's code and the code before it alike.
+PRRTE_CRASHED = "prted/pmix/pmix_server_dyn.c"
 
 
 def start_then_fault(cmd: list, env: dict, fault, tries: int = 2):
@@ -395,9 +405,16 @@ def test_elastic_job_grows_back_onto_a_spare_node(healed, tmp_path, how):
         cmd += ["-x", "HPCDDP_ELASTIC_SPARES=1"]
         joined = "[rank2] elastic: spare process took rank 2 on node4"
     cmd += [sys.executable, str(ELASTIC_JOB), str(tmp_path), "30"]
-    proc, out = start_then_fault(cmd, _vc_env(NAME, SUBNET), ["cut", "node3"])
-    rest, _ = proc.communicate(timeout=400)
-    out = "".join(out) + rest
+    for attempt in (1, 2):
+        proc, out = start_then_fault(cmd, _vc_env(NAME, SUBNET), ["cut", "node3"])
+        rest, _ = proc.communicate(timeout=400)
+        out = "".join(out) + rest
+        if attempt == 1 and proc.returncode != 0 and PRRTE_CRASHED in out:
+            print("Open MPI's launcher crashed after the cut, once more:\n" + out[-3000:])
+            assert vc("fault", "heal").returncode == 0
+            kill_leftovers()
+            continue
+        break
     assert proc.returncode == 0, out[-6000:]
     assert "lost rank 2 on node3" in out, out[-6000:]
     assert joined in out, out[-6000:]
