@@ -36,6 +36,7 @@ def _reduction(fn: str, tensor, op, group, async_op, arg: str = "tensor") -> Cal
     # the MPI op: on the device too, where a user-defined one (bfloat16) keeps it off the
     # CUDA-aware row
     call.mop, call.kind = reduce_op(op, tensor.dtype, fn)
+    # recorded under its reduce op unless a SUM (call.recorded_name; a SUM without the call)
     call.name = fn if call.kind == SUM_KIND else recorded_name(fn, call.kind)
     call.shape, call.root, call.red = tensor.shape, None, call.kind
     call.results, call.memo = [tensor], None

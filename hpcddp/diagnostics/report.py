@@ -499,9 +499,8 @@ def _p2p_waits_for(snap: dict) -> int | None:
     p2p = [d for d in snap["inflight"] if d["op"] in P2P_OPS and isinstance(d.get("peer"), int)]
     if not p2p:
         return None
-    d = max(p2p, key=lambda d: d["age"])
-    members = list(d.get("ranks") or [])
-    return members[d["peer"]] if 0 <= d["peer"] < len(members) else None
+    peers = _p2p_peers(max(p2p, key=lambda d: d["age"]), snap.get("rank"), 0)
+    return peers[0] if peers else None
 
 
 def _p2p_cycle(snaps: dict, start: int) -> list:

@@ -89,16 +89,14 @@ def blocked_threads(frames=None, exclude=()) -> list:
 
 
 def running_threads(frames: dict, *exclude) -> int:
-    """How many threads other than EXCLUDE, hpcddp's own and those waiting in hpcddp may
-    still call hpcddp on their own (a thread of the script, of a library). Every thread the
-    interpreter runs counts (FRAMES, sys._current_frames: also those started with
-    ``_thread``, which threading does not list); hpcddp's own are told by the function they
-    run, not by their name."""
-    blocked = {tid for tid, _ in blocked_threads(frames)}
+    """How many threads other than EXCLUDE (the threads waiting in hpcddp, the main thread, the
+    watchdog's), and other than hpcddp's own, may still call hpcddp on their own (a thread of
+    the script, of a library). Every thread the interpreter runs counts (FRAMES,
+    sys._current_frames: also those started with ``_thread``, which threading does not
+    list); hpcddp's own are told by the function they run, not by their name."""
     own = {t.ident for t in threading.enumerate()
            if str(getattr(getattr(t, "_target", None), "__module__", None)).startswith("hpcddp.")}
-    return sum(1 for tid in frames if tid not in exclude and tid not in blocked
-               and tid not in own)
+    return sum(1 for tid in frames if tid not in exclude and tid not in own)
 
 
 def _exc_text(exc) -> str:
@@ -135,9 +133,10 @@ def snapshot(rank: int, host: str, pid: int, exclude_thread=None, extra=None) ->
     frames = sys._current_frames()
     main = threading.main_thread()
     main_frame = frames.get(main.ident)
-    threads = {}
+    threads, blocked = {}, []
     for tid, name in blocked_threads(frames, exclude=(main.ident, exclude_thread)):
         threads[name] = format_stack(frames[tid])
+        blocked.append(tid)
     exc = getattr(sys, "last_value", None)
     snap = {
         "rank": rank, "host": host, "pid": pid, "wall": time.time(),
@@ -150,7 +149,7 @@ def snapshot(rank: int, host: str, pid: int, exclude_thread=None, extra=None) ->
         "threads": threads,
         "exception": None if exc is None else _exc_text(exc),
         "finalizing": any(e[_rec.OP] == "finalize" and e[_rec.T_END] == 0.0 for e in entries),
-        "running_threads": running_threads(frames, main.ident, exclude_thread),
+        "running_threads": running_threads(frames, main.ident, exclude_thread, *blocked),
     }
     if extra:
         snap.update(extra)
