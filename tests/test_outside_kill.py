@@ -164,6 +164,40 @@ def test_elastic_loss_outside_the_step_ends_the_job_saying_why(tmp_path, phase, 
         assert sorted((tmp_path / "ckpt").glob("ckpt-*.pt")) == []
 
 
+def _launched(tmp, nprocs, phase, target):
+    """outside_kill_train.py in elastic mode under `hpcddp launch -- mpirun --with-ft ulfm`,
+    as the Slurm templates' elastic step runs it."""
+    from hpcddp.launch.mpirun import mpirun_command
+    argv = [sys.executable, SCRIPT, str(tmp), "elastic", phase, str(target), "1", "fork"]
+    return Job(0, [], outfile=tmp / "out.txt", timeout=WALL, env=_env(),
+               cmd=[sys.executable, "-m", "hpcddp", "launch", "--",
+                    *mpirun_command(nprocs, argv, fault_tolerant=True)])
+
+
+def test_elastic_job_that_lost_every_rank_fails(tmp_path):
+    """Every rank of an elastic job SIGKILLed from outside (the OOM killer taking the whole
+    node): under ULFM Open MPI's mpirun exits 0 whatever its processes did, so `hpcddp launch`
+    must say the job failed (status 1, a line saying why), and nothing is left running. A
+    healthy run of the same job under it ends 0, each rank saying it left."""
+    job = _launched(tmp_path, 3, "forward", 1)
+    job.wait_for(r"\[rank1\] AT PHASE forward pid")
+    for rank in sorted(job.ranks()):
+        job.kill_rank(rank)
+    rc, out, after_kill = _ended_cleanly(job)
+    assert rc == 1, out[-3000:]
+    assert "hpcddp launch: no rank of the job said it ended" in out, out[-3000:]
+    assert after_kill <= JOB_TIMEOUT + 10
+
+    healthy = tmp_path / "healthy"
+    healthy.mkdir()
+    job = _launched(healthy, 3, "none", 1)
+    rc, out, _ = _ended_cleanly(job)
+    assert rc == 0, out[-3000:]
+    for rank in range(3):
+        assert f"[rank{rank}] DONE size 3" in out
+        assert f"[rank{rank}] elastic: rank {rank} of 3 leaves the job, exit 0" in out, out[-3000:]
+
+
 def test_demo_regrow_after_a_rank_killed_from_outside(tmp_path):
     """`hpcddp demo --elastic --regrow` at 4 ranks, rank 2 SIGKILLed from this process in
     epoch 4: a replacement starts, the job ends at 4 ranks, exit 0, accuracy >= 0.95, and

@@ -22,6 +22,9 @@ its keepalives find the node lost instead, it ends the job but exits 0. Here:
 - a launcher still running --abort-grace seconds after an abort is ended (SIGTERM twice, then
   SIGKILL) and the status is the abort's error code;
 - a launcher that lost a node and exits 0 gets status 1, with a line naming the node;
+- under --with-ft ulfm Open MPI's mpirun exits 0 even where every process was killed or
+  crashed: a job in which no rank said it ended (hpcddp's ranks print "elastic: rank R of N
+  leaves the job" as they do) gets status 1;
 - Ctrl-C or SIGTERM end the job (status 130 or 143); SIGUSR1/SIGUSR2 are passed to the
   launcher (Open MPI relays them to every rank: checkpoint-before-preemption);
 - --timeout ends the job after that many seconds (status 124).

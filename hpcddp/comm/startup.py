@@ -26,6 +26,7 @@ from hpcddp.comm.failures import end_process, lost_rank_named, lost_ranks, ranks
 from hpcddp.comm.topology import Topology, build_topology, emulated_ranks_per_node
 from hpcddp.launch import process
 from hpcddp.launch.env import fault_tolerant_job
+from hpcddp.launch.mpirun import SURVIVOR_LEFT_LINE, WITHOUT_FINALIZE_LINE
 from hpcddp.launch.torchrun_env import export_after_start
 
 THREAD_LEVELS = {
@@ -269,6 +270,16 @@ def _finalize_at_exit(finalize_mpi: bool = True) -> None:
         _drain_async_engine()
         _run_hooks(hpcddp.ON_MPI_FINALIZE)
         MPI.Finalize()
+        if rt is not None and fault_tolerant_job():
+            # under ULFM Open MPI's launcher exits 0 whatever its processes did (killed or
+            # crashed alike): `hpcddp launch` fails a job in which no rank said it ended
+            _log.log(SURVIVOR_LEFT_LINE.format(rank=rt.world.rank, size=rt.world.size,
+                                               code=_exit_code_so_far()))
+
+
+def _exit_code_so_far() -> int:
+    """At exit: 1 after an uncaught exception, else 0 (sys.exit's own code is not known)."""
+    return 1 if getattr(sys, "last_value", None) is not None else 0
 
 
 def _end_without_finalize_if_ranks_lost() -> None:
@@ -283,15 +294,15 @@ def _end_without_finalize_if_ranks_lost() -> None:
     lost_spares = spares.lost_spares() if not lost else []
     if not lost and not lost_spares:
         return
-    code = 1 if getattr(sys, "last_value", None) is not None else 0
+    code = _exit_code_so_far()
     if rt is not None:
         spares.release(rt.world.rank, finalize=False)
     who = (ranks_text(lost) + " of the job" if lost else
            f"spare process{'es' if len(lost_spares) > 1 else ''} "
            f"{', '.join(map(str, lost_spares))} of the launch")
     them = "them" if len(lost or lost_spares) > 1 else "it"
-    end_process(f"hpcddp: {who} lost: this rank exits (exit {code}) without MPI_Finalize, "
-                f"which would wait for {them}", code)
+    end_process(f"hpcddp: {who} lost: this rank exits (exit {code}) {WITHOUT_FINALIZE_LINE} "
+                f"{them}", code)
 
 
 def _drain_async_engine() -> None:

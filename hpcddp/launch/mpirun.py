@@ -135,6 +135,11 @@ PRTE_NO_KEEPALIVE = {"PRTE_MCA_oob_tcp_keepalive_time": "0"}
 # survivor of an elastic job that lost ranks as it exits; a side of a cut network that holds no
 # majority, as it stops; a recovery that is stuck
 SURVIVOR_LEFT_LINE = "elastic: rank {rank} of {size} leaves the job, exit {code}"
+# Under ULFM Open MPI's launcher exits 0 even where every process was killed or crashed; so
+# each rank of an hpcddp job says as it ends that it did: the line above (every rank, once
+# MPI_Finalize returned, after a recovery as it leaves) or this one (hpcddp.comm.startup: a
+# rank that saw a peer lost outside elastic mode). A job in which none did has failed.
+WITHOUT_FINALIZE_LINE = "without MPI_Finalize, which would wait for"
 MINORITY_STOPS_LINE = "no majority, this side stops"
 # An elastic job that grows back: a replacement rank joined, or none could start (the job goes
 # on smaller). Open MPI's mpirun runs a replacement as a job of its own, without fault
@@ -147,7 +152,7 @@ SURVIVOR_LEFT = re.compile(re.escape(SURVIVOR_LEFT_LINE).replace(r"\{rank\}", r"
                            .replace(r"\{size\}", r"(\d+)").replace(r"\{code\}", r"(-?\d+)")
                            .encode())
 MINORITY_STOPS, RECOVERY_STUCK = MINORITY_STOPS_LINE.encode(), RECOVERY_STUCK_LINE.encode()
-NO_SLOT = NO_SLOT_LINE.encode()
+NO_SLOT, WITHOUT_FINALIZE = NO_SLOT_LINE.encode(), WITHOUT_FINALIZE_LINE.encode()
 REPLACEMENT = re.compile(re.escape(REPLACEMENT_LINE).replace(r"\{rank\}", r"\d+").encode())
 # How long a launcher may take to end after every survivor left: Open MPI's takes a second
 SURVIVORS_GRACE = 10.0
@@ -188,6 +193,8 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
     - a launcher still running ABORT_GRACE seconds after a rank aborted (it waits for a node it
       cannot reach) is ended, and the status is the abort's error code;
     - a launcher that lost a node's daemon and then exits 0 (PRRTE does) gets status 1;
+    - under ULFM, a launcher that exits 0 though no rank said it ended (every process was
+      killed or crashed: PRRTE then exits 0) gets status 1;
     - in an elastic job that lost a node, a launcher still running SURVIVORS_GRACE seconds
       after every survivor left (it waits for the node) is ended, with the survivors' status;
       one that exits non-zero for a replacement rank (it could not start one, or one was lost)
@@ -201,8 +208,9 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
         previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _raise_terminated)
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
             previous[sig] = signal.signal(sig, lambda s, f: [_signal_launcher(p, s) for p in started])
+    full_env = launcher_env(env, cmd)
     try:
-        proc = subprocess.Popen(list(cmd), env=launcher_env(env, cmd), start_new_session=True,
+        proc = subprocess.Popen(list(cmd), env=full_env, start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except BaseException:
         _restore(previous)
@@ -234,7 +242,7 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
                 return seen.errorcode or (JOB_FAILED if seen.status is None else seen.status)
         for reader in readers:
             reader.join(timeout=5)
-        return _status_of(rc, seen, name)
+        return _status_of(rc, seen, name, fault_tolerant_command(cmd, full_env))
     except (KeyboardInterrupt, _Terminated) as exc:
         _end_group(proc, signal.SIGTERM)
         try:
@@ -248,8 +256,14 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
         _restore(previous)
 
 
-def _status_of(rc: int, seen, name: str) -> int:
+def _status_of(rc: int, seen, name: str, fault_tolerant: bool) -> int:
     """The job's status from the launcher's RC and what its output said (SEEN)."""
+    if rc == 0 and fault_tolerant and not seen.rank_ended:
+        print(f"{name}: no rank of the job said it ended (hpcddp's ranks print \"elastic: rank "
+              f"R of N leaves the job\" as they do): every process was killed or crashed, and "
+              f"under --with-ft ulfm the launcher exits 0 whatever its processes did: exit "
+              f"{JOB_FAILED}", file=sys.stderr)
+        return JOB_FAILED
     if rc == 0 and seen.lost_node:
         print(f"{name}: the launcher lost node {seen.lost_node} (its daemon stopped "
               f"answering) and ended the job, yet exited 0: exit {JOB_FAILED}", file=sys.stderr)
@@ -278,6 +292,7 @@ class _LauncherOutput:
         self.status = None      # the survivors' status, once every survivor left
         self.left: dict = {}    # survivor's rank -> its exit status (elastic jobs)
         self.regrown = False    # an elastic job that started (or tried) a replacement rank
+        self.rank_ended = False     # some rank said it ended on its own (SURVIVOR_LEFT_LINE)
 
     def relay(self, pipe, out) -> None:
         """Copy PIPE to OUT as the bytes come (progress bars redraw with a bare \\r) and read
@@ -316,6 +331,8 @@ class _LauncherOutput:
         elif RECOVERY_STUCK in line:
             self._ended("an elastic recovery got stuck")
         left = SURVIVOR_LEFT.search(line)
+        if left or WITHOUT_FINALIZE in line:
+            self.rank_ended = True
         if left:
             rank, size, code = (int(g) for g in left.groups())
             self.left[rank] = code

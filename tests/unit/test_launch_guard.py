@@ -139,3 +139,26 @@ def test_ulfm_launches_get_no_keepalives():
         "PRTE_MCA_oob_tcp_keepalive_time"] == "30"
     user = {**env, "PRTE_MCA_oob_tcp_keepalive_time": "120"}
     assert launcher_env(user, ["mpirun", "--with-ft", "ulfm"])["PRTE_MCA_oob_tcp_keepalive_time"] == "120"
+
+
+def test_ulfm_job_in_which_no_rank_said_it_ended_has_failed():
+    """Under --with-ft ulfm Open MPI's mpirun exits 0 even where every process was killed or
+    crashed; hpcddp's ranks say as they end that they did: a job with no such line fails."""
+    ulfm = {**os.environ, "OMPI_MCA_mpi_ft_enable": "1"}
+
+    def run(script):
+        return subprocess.run([*HPCDDP, "launch", "--", "bash", "-c", script], env=ulfm,
+                              capture_output=True, text=True, timeout=60)
+    res = run("echo '[vm:1] *** Process received signal ***' >&2; exit 0")
+    assert res.returncode == 1, res.stderr
+    assert "no rank of the job said it ended" in res.stderr
+    # one rank left (the others were killed: an elastic job's survivor), or one saw its peer
+    # lost outside elastic mode: the launcher's 0 stands
+    for line in ("[rank1] elastic: rank 1 of 2 leaves the job, exit 0",
+                 "[rank0] hpcddp: rank 1 of the job lost: this rank exits (exit 0) without "
+                 "MPI_Finalize, which would wait for it"):
+        res = run(f"echo '{line}' >&2; exit 0")
+        assert res.returncode == 0 and "no rank" not in res.stderr, res.stderr
+    # without ULFM a killed rank makes mpirun's status non-zero itself: nothing is looked for
+    res, _ = launch("exit 0")
+    assert res.returncode == 0, res.stderr
