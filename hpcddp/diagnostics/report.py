@@ -212,10 +212,14 @@ def _may_match(wait: dict, rank: int, snap: dict, size: int) -> bool:
 
 
 def _silent_since(snap: dict) -> float:
-    """The wall-clock time from which SNAP's rank has made no call: the start of its latest
-    call in flight (its finalize where it has ended)."""
-    ages = [d["age"] for d in snap["inflight"]]
-    return snap.get("wall", 0.0) - (min(ages) if ages else 0.0)
+    """The wall-clock time from which SNAP's rank has made no call: the latest time it began
+    or ended one (a send of another thread that ended a moment ago counts: its message may
+    not have arrived yet), else the start of its latest call in flight (its finalize where
+    it has ended)."""
+    quiet = [d["age"] for d in snap["inflight"]]
+    if "quiet_for" in snap:
+        quiet.append(snap["quiet_for"])
+    return snap.get("wall", 0.0) - (min(quiet) if quiet else 0.0)
 
 
 def p2p_stuck(snaps: dict, size: int, min_age: float = 1.0) -> dict:

@@ -88,15 +88,30 @@ def blocked_threads(frames=None, exclude=()) -> list:
             if tid not in exclude and is_blocking_frame(f)]
 
 
+# Threads of libraries that never call hpcddp, told by the module of the function they run
+# (or of their Thread subclass): hpcddp's own; a multiprocessing queue's feeder (every
+# DataLoader with workers starts one per worker in the rank's process); torch's pin-memory
+# thread; tqdm's monitor (a progress bar's). A training script has them all along, and each
+# would otherwise count as a thread that might still send.
+QUIET_THREAD_MODULES = ("hpcddp.", "multiprocessing.queues", "multiprocessing.resource_sharer",
+                        "torch.utils.data._utils.pin_memory", "tqdm._monitor")
+
+
+def _quiet(t: threading.Thread) -> bool:
+    target = getattr(t, "_target", None)
+    module = getattr(target, "__module__", None) if target is not None else type(t).__module__
+    return str(module).startswith(QUIET_THREAD_MODULES)
+
+
 def running_threads(frames: dict, *exclude) -> int:
     """How many threads other than EXCLUDE (the threads waiting in hpcddp, the main thread, the
-    watchdog's), and other than hpcddp's own, may still call hpcddp on their own (a thread of
-    the script, of a library). Every thread the interpreter runs counts (FRAMES,
-    sys._current_frames: also those started with ``_thread``, which threading does not
-    list); hpcddp's own are told by the function they run, not by their name."""
-    own = {t.ident for t in threading.enumerate()
-           if str(getattr(getattr(t, "_target", None), "__module__", None)).startswith("hpcddp.")}
-    return sum(1 for tid in frames if tid not in exclude and tid not in own)
+    watchdog's), and other than hpcddp's own and the libraries' that never call it
+    (QUIET_THREAD_MODULES), may still call hpcddp on their own (a thread of the script, of a
+    library). Every thread the interpreter runs counts (FRAMES, sys._current_frames: also
+    those started with ``_thread``, which threading does not list); a thread is told by the
+    function it runs, not by its name."""
+    quiet = {t.ident for t in threading.enumerate() if _quiet(t)}
+    return sum(1 for tid in frames if tid not in exclude and tid not in quiet)
 
 
 def _exc_text(exc) -> str:
@@ -150,6 +165,10 @@ def snapshot(rank: int, host: str, pid: int, exclude_thread=None, extra=None) ->
         "exception": None if exc is None else _exc_text(exc),
         "finalizing": any(e[_rec.OP] == "finalize" and e[_rec.T_END] == 0.0 for e in entries),
         "running_threads": running_threads(frames, main.ident, exclude_thread, *blocked),
+        # seconds since this rank last began or ended a call: a send that ended a moment ago
+        # (a worker thread's, now gone) may still be on its way to a peer
+        "quiet_for": now - max((e[_rec.T_END] or e[_rec.T_START] for e in entries),
+                               default=now - 1e9),
     }
     if extra:
         snap.update(extra)

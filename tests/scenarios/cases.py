@@ -210,6 +210,12 @@ CASES = [
              r"1, shape=\[4\], float32\) on WORLD; rank 1 waits in recv #1 \(from rank 0, "
              r"shape=\[4\], float32\) on WORLD",
          )),
+    # the same beside a DataLoader's workers and a progress bar (their threads never send)
+    Case("p2p_deadlock_beside_loader", "p2p_deadlock.py", 2, args=("loader",),
+         env={"HPCDDP_TIMEOUT": "600"}, bound=12.0, expect=(
+             r"rank 0 writes it: a point-to-point deadlock: rank 0 waits in recv #1 \(from rank "
+             r"1, shape=\[4\], float32\) on WORLD",
+         )),
     Case("p2p_waits_clean", "p2p_waits.py", 3, env={"HPCDDP_TIMEOUT": "600"}, rc=(0,),
          report=False, no_report=True, marked=False, min_count={r"\[rank\d\] done": 3}),
     *(Case(f"p2p_deadlock_{api}", "p2p_deadlock.py", 2, args=(api,), expect=(

@@ -360,6 +360,15 @@ def test_a_point_to_point_deadlock_is_named_at_once():
     assert _stuck(snaps) == {}         # too young; 1.5 s before: the deadlock is sure
     snaps[2]["inflight"][0]["age"] = 1.7
     assert _stuck(snaps) == {0: [1], 1: [2], 2: [0]}
+    # a call that *ended* a moment before the answer counts too: rank 1's worker thread sent
+    # to rank 0 and ended between the two answers, so rank 1 looks silent (its main thread
+    # waits, nothing else runs) while its message is on its way (seen in p2p_waits.py)
+    snaps = {0: dict(waiting(0, _op("recv", 2, 2.0, peer=1)), wall=100.0),
+             1: dict(waiting(1, _op("recv", 3, 3.0, peer=0)), wall=100.4, quiet_for=0.1),
+             2: _snap(2, seq=5), 3: _snap(3, seq=5)}
+    assert _stuck(snaps) == {}
+    snaps[1]["quiet_for"] = 1.6         # it ended 1.2 s before rank 0 answered: not on its way
+    assert _stuck(snaps) == {0: [1], 1: [0]}
 
 
 def test_ranks_in_finalize_waiting_for_python_is_not_a_stall():
@@ -532,3 +541,35 @@ def test_running_threads_counts_every_thread_that_may_still_call_hpcddp():
         gate.set()
         user.join()
         own.join()
+
+
+def test_running_threads_leaves_out_library_threads_that_never_call_hpcddp():
+    """A DataLoader's queue feeders and a tqdm bar's monitor are in every training script:
+    they never send, so a point-to-point deadlock beside them is still found in seconds."""
+    import multiprocessing
+    import sys as _sys
+    from hpcddp.diagnostics import state
+    import tqdm
+    main = threading.main_thread().ident
+    before = state.running_threads(_sys._current_frames(), main)
+    queue = multiprocessing.get_context("spawn").Queue()
+    queue.put(1)                          # starts the queue's feeder thread in this process
+    old_interval = tqdm.tqdm.monitor_interval
+    tqdm.tqdm.monitor_interval = 10
+    bar = tqdm.tqdm(total=3, disable=False, file=open(os.devnull, "w"))   # starts its monitor
+    gate = threading.Event()
+    user = threading.Thread(target=gate.wait, args=(10,))
+    user.start()
+    try:
+        time.sleep(0.1)
+        names = {type(t).__name__ for t in threading.enumerate()} | {
+            t.name for t in threading.enumerate()}
+        assert "TMonitor" in names and "QueueFeederThread" in names, names
+        assert state.running_threads(_sys._current_frames(), main) == before + 1
+    finally:
+        gate.set()
+        user.join()
+        bar.close()
+        tqdm.tqdm.monitor_interval = old_interval
+        queue.close()
+        queue.join_thread()
