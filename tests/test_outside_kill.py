@@ -18,6 +18,7 @@ import os
 import pathlib
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -188,6 +189,7 @@ def test_elastic_job_that_lost_every_rank_fails(tmp_path):
     assert "hpcddp launch: no rank of the job said it ended" in out, out[-3000:]
     assert after_kill <= JOB_TIMEOUT + 10
 
+    from hpcddp.launch.mpirun import mpirun_command
     healthy = tmp_path / "healthy"
     healthy.mkdir()
     job = _launched(healthy, 3, "none", 1)
@@ -196,6 +198,14 @@ def test_elastic_job_that_lost_every_rank_fails(tmp_path):
     for rank in range(3):
         assert f"[rank{rank}] DONE size 3" in out
         assert f"[rank{rank}] elastic: rank {rank} of 3 leaves the job, exit 0" in out, out[-3000:]
+    # also where the script started MPI itself (mpi4py then finalizes it, after hpcddp's exit)
+    res = subprocess.run(
+        [sys.executable, "-m", "hpcddp", "launch", "--timeout", "120", "--",
+         *mpirun_command(2, [sys.executable, "-c", "from mpi4py import MPI; import hpcddp; "
+                             "hpcddp.init(); print('up', flush=True)"], fault_tolerant=True)],
+        capture_output=True, text=True, timeout=150, env=_env())
+    assert res.returncode == 0 and res.stdout.count("up") == 2, res.stdout + res.stderr
+    assert "no rank of the job said it ended" not in res.stderr, res.stderr
 
 
 def test_demo_regrow_after_a_rank_killed_from_outside(tmp_path):

@@ -265,11 +265,12 @@ def _finalize_at_exit(finalize_mpi: bool = True) -> None:
         rt = _runtime
         if rt is not None:
             spares.release(rt.world.rank, finalize=True)
-        if not finalize_mpi:
-            return
-        _drain_async_engine()
-        _run_hooks(hpcddp.ON_MPI_FINALIZE)
-        MPI.Finalize()
+        if finalize_mpi:
+            _drain_async_engine()
+            _run_hooks(hpcddp.ON_MPI_FINALIZE)
+            MPI.Finalize()
+        # (else the script started MPI, and mpi4py's own exit handler, which runs after this
+        # one, finalizes it)
         if rt is not None and fault_tolerant_job():
             # under ULFM Open MPI's launcher exits 0 whatever its processes did (killed or
             # crashed alike): `hpcddp launch` fails a job in which no rank said it ended

@@ -136,8 +136,8 @@ PRTE_NO_KEEPALIVE = {"PRTE_MCA_oob_tcp_keepalive_time": "0"}
 # majority, as it stops; a recovery that is stuck
 SURVIVOR_LEFT_LINE = "elastic: rank {rank} of {size} leaves the job, exit {code}"
 # Under ULFM Open MPI's launcher exits 0 even where every process was killed or crashed; so
-# each rank of an hpcddp job says as it ends that it did: the line above (every rank, once
-# MPI_Finalize returned, after a recovery as it leaves) or this one (hpcddp.comm.startup: a
+# each rank of an hpcddp job says as it ends that it did: the line above (every rank, in
+# hpcddp's exit handler; after a recovery as it leaves) or this one (hpcddp.comm.startup: a
 # rank that saw a peer lost outside elastic mode). A job in which none did has failed.
 WITHOUT_FINALIZE_LINE = "without MPI_Finalize, which would wait for"
 MINORITY_STOPS_LINE = "no majority, this side stops"
