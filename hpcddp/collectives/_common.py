@@ -1,16 +1,12 @@
-"""What the ops and paths share besides the Call (hpcddp.collectives.call, whose resolve and
-reduce_op are re-exported here): recording outside take, AVG/PREMUL_SUM scaling, the
-blocking/async split."""
+"""What the ops and paths share besides the Call (hpcddp.collectives.call, whose resolve is
+re-exported here): recording outside take, list checks, the blocking/async split."""
 from __future__ import annotations
 
-import torch
-
 from hpcddp.comm._mpi import MPI
-from hpcddp.comm.buffers import as_array, as_arrays, check_tensor, same_spec  # noqa: F401
-from hpcddp.comm.ops import RedOpType
+from hpcddp.comm.buffers import as_array, as_arrays, same_spec  # noqa: F401
 from hpcddp.diagnostics import mismatch as _mismatch, recorder as _rec
 from hpcddp.collectives.work import CompletedWork, Work  # noqa: F401
-from hpcddp.collectives.call import premul_factor, reduce_op, resolve, world_rank  # noqa: F401
+from hpcddp.collectives.call import resolve  # noqa: F401
 
 IN_PLACE = MPI.IN_PLACE
 # Chosen once, at import: with HPCDDP_DEBUG=detail every collective's record() also runs the
@@ -21,23 +17,23 @@ record_p2p = _rec.start_p2p   # send/recv: own sequence numbers, never cross-che
 record_end = _rec.end
 
 
-def pre_reduce(tensor: torch.Tensor, op, kind) -> None:
-    """PREMUL_SUM scales its input before the SUM (NCCL's definition; the device path's: on
-    the host, take() scales, hpcddp.collectives.call.premultiply)."""
-    if kind == RedOpType.PREMUL_SUM:
-        tensor.mul_(premul_factor(op))
-
-
-def post_reduce(tensor: torch.Tensor, kind, size: int) -> None:
-    if kind == RedOpType.AVG:
-        tensor.div_(size)
-
-
 def check_list(lst, n: int, fn: str, arg: str, what: str = "one per rank in the group") -> None:
     if not isinstance(lst, (list, tuple)):
         raise TypeError(f"{fn}: {arg} must be a list of tensors, got {type(lst).__name__}")
     if len(lst) != n:
         raise ValueError(f"{fn}: {arg} has {len(lst)} tensors, expected {n} ({what})")
+
+
+def check_blocks(fn: str, whole, whole_arg: str, block, block_arg: str, n: int) -> None:
+    """WHOLE (argument WHOLE_ARG) must be N blocks like BLOCK (BLOCK_ARG): the same dtype,
+    N times its element count (reduce_scatter_tensor's input, all_gather_into_tensor's
+    output)."""
+    if whole.dtype != block.dtype:
+        raise TypeError(f"{fn}: {whole_arg} has dtype {whole.dtype}, expected {block.dtype} "
+                        f"({block_arg}'s)")
+    if whole.numel() != block.numel() * n:
+        raise ValueError(f"{fn}: {whole_arg} has {whole.numel()} elements, expected "
+                         f"{block.numel() * n} ({block_arg}'s {block.numel()} x group size {n})")
 
 
 def finish_or_work(async_op: bool, entry, requests, result, finish=None, keep=None):
@@ -61,7 +57,3 @@ def wait_or_work(call, requests, finish=None, keep=None):
     if finish is not None:
         finish()
     return None
-
-
-def flat_buffer(like: torch.Tensor, count: int) -> torch.Tensor:
-    return torch.empty(count, dtype=like.dtype)

@@ -9,7 +9,7 @@ from itertools import accumulate
 from hpcddp.collectives import _large
 from hpcddp.collectives import _lists
 from hpcddp.collectives._plans import A2A_SINGLE, ALL_TO_ALL, xhit as _xhit
-from hpcddp.collectives._common import as_array, as_arrays, check_list
+from hpcddp.collectives._common import as_array, as_arrays, check_list, same_spec
 from hpcddp.collectives import engine as _engine
 from hpcddp.collectives.call import Call, pair, resolve, take
 from hpcddp.collectives.paths import route
@@ -68,47 +68,46 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         return None
     call = pair(fn, output, input, group, async_op)
     if call.device:
-        call.splits = (output_split_sizes, input_split_sizes)
+        n_out, n_in, call.nbytes = output.numel(), input.numel(), input.nbytes
     else:
-        call.nbytes = call.inp.nbytes
-        # counts, displacements; even blocks of a blocking call are planned on its second call
-        call.layout, even = _layout(output, input, call.out, call.inp, output_split_sizes,
-                                    input_split_sizes, call.comm)
-        if even and not async_op and call.inp.size:
-            call.memo = (output, input)
+        n_out, n_in, call.nbytes = call.out.size, call.inp.size, call.inp.nbytes
+    # counts, displacements; even blocks of a blocking call are planned on its second call
+    call.layout, even = _layout(output, input, n_out, n_in, output_split_sizes,
+                                input_split_sizes, call.comm)
+    if even and not async_op and n_in and not call.device:
+        call.memo = (output, input)
     call.name = "all_to_all"
     return take(_ALL_TO_ALL_SINGLE, call)
 
 
-def _layout(output, input, out, inp, output_split_sizes, input_split_sizes, comm):
+def _layout(output, input, n_out, n_in, output_split_sizes, input_split_sizes, comm):
     """((send counts, send displacements, receive counts, receive displacements), whether
-    the blocks are even), validated."""
+    the blocks are even), validated; N_OUT, N_IN: the tensors' element counts."""
     fn = "all_to_all_single"
     if input.dtype != output.dtype:
         raise TypeError(f"{fn}: output has dtype {output.dtype}, expected {input.dtype} (input's)")
     n, r = comm.size, comm.rank
-    if _large.too_big(inp) or _large.too_big(out):
-        _large.refuse(fn, "input" if _large.too_big(inp) else "output",
-                      max(input.numel(), output.numel()))
+    if max(n_in, n_out) > _large.MAX_COUNT:
+        _large.refuse(fn, "input" if n_in > _large.MAX_COUNT else "output", max(n_in, n_out))
     # no splits: None from the direct API, [] from torch.distributed
     if (input_split_sizes is None or len(input_split_sizes) == 0) \
             and (output_split_sizes is None or len(output_split_sizes) == 0) \
-            and inp.size == out.size \
+            and n_in == n_out \
             and input.dim() and output.dim() and not input.shape[0] % n \
             and not output.shape[0] % n:
         # the common call, even blocks: its counts are cached (building the count lists
         # per call was a sizeable part of a small all_to_all_single: docs/benchmarks.md)
-        layout = _even.get((n, inp.size))
+        layout = _even.get((n, n_in))
         if layout is None:
             if len(_even) >= 256:
                 _even.clear()
-            c = inp.size // n
-            layout = _even[(n, inp.size)] = ([c] * n, [c * j for j in range(n)])
+            c = n_in // n
+            layout = _even[(n, n_in)] = ([c] * n, [c * j for j in range(n)])
         counts = (*layout, *layout)
     else:
         layout = None
         counts = v_layout(output, input, output_split_sizes, input_split_sizes, n, r, fn)
-    if inp.size and output.data_ptr() == input.data_ptr():
+    if n_in and output.data_ptr() == input.data_ptr():
         raise ValueError(f"{fn}: output and input are the same memory; an all-to-all reads "
                          f"input while it writes output: pass separate tensors")
     return counts, layout is not None
@@ -133,23 +132,27 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     call = Call()
     call.comm, call.group, call.async_op, call.memo = comm, group, async_op, None
     call.output, call.input = output_tensor_list, input_tensor_list
+    call.nbytes = 0                             # the rows below MPI's have no size threshold
+    r = comm.rank
     try:
         as_array(ref, fn, "input_tensor_list[0]")
     except DeviceTensor:
-        call.device, call.nbytes = True, 0
+        call.device = True
+        same_spec(input_tensor_list, ref, fn, "input_tensor_list", same_shape=False)
+        same_spec(output_tensor_list, ref, fn, "output_tensor_list", same_shape=False)
+        own_out, own_in = output_tensor_list[r].numel(), input_tensor_list[r].numel()
     else:
-        call.device, call.nbytes = False, 0     # the rows below MPI's have no size threshold
+        call.device = False
         call.inp = as_arrays(input_tensor_list, ref, fn, "input_tensor_list", same_shape=False)
         call.out = as_arrays(output_tensor_list, ref, fn, "output_tensor_list",
                              same_shape=False)
-        r = comm.rank
-        if call.out[r].size != call.inp[r].size:   # before the record, on every path
-            raise ValueError(f"{fn}: output_tensor_list[{r}] has {call.out[r].size} elements "
-                             f"but input_tensor_list[{r}] (this rank's block to itself) has "
-                             f"{call.inp[r].size}")
-        call.block = 0                          # blocks of any size
+        own_out, own_in = call.out[r].size, call.inp[r].size
         if not async_op:
             call.memo = (*output_tensor_list, *input_tensor_list)
+    if own_out != own_in:                       # before the record, on every path
+        raise ValueError(f"{fn}: output_tensor_list[{r}] has {own_out} elements but "
+                         f"input_tensor_list[{r}] (this rank's block to itself) has {own_in}")
+    call.block = 0                              # blocks of any size
     call.name, call.shape, call.dtype, call.root, call.red = (fn, ref.shape, ref.dtype, None,
                                                               None)
     call.results = list(output_tensor_list)

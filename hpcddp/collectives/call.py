@@ -6,7 +6,10 @@ views MPI takes), resolves its group and reduce op here, fills a Call and hands 
 ``take`` with its route (hpcddp.collectives.paths.route: the op's rows of the dispatch
 table). ``take``:
 
-1. sends a call on CUDA tensors to a device row;
+1. sends a call on CUDA tensors (validated by its op as any call, without host views) to a
+   device row (hpcddp.collectives.paths.device): host staging points the call at host twins
+   and hands it back here, a CPU call, once; the CUDA-aware row is the call's only row in
+   the steps below;
 2. records a collective in the flight recorder (written here as the recorder's native writer
    does: one list in its ring) and, for a call of AGREE_BYTES or more (every call with
    HPCDDP_DEBUG=detail), has every rank agree on it before any path is asked (a node-local
@@ -44,7 +47,7 @@ from hpcddp.collectives._node import NEVER
 from hpcddp.collectives.work import CompletedWork
 from hpcddp.comm import startup as _rt
 from hpcddp.comm._mpi import MPI
-from hpcddp.comm.buffers import DeviceTensor, as_array
+from hpcddp.comm.buffers import DeviceTensor, as_array, one_device
 from hpcddp.comm.communicator import Communicator
 from hpcddp.comm.ops import RedOpType, mpi_op
 from hpcddp.diagnostics import mismatch as _mismatch, recorder as _rec
@@ -52,8 +55,8 @@ from hpcddp.diagnostics import mismatch as _mismatch, recorder as _rec
 
 class Call:
     """One call of an op, validated once. Every op sets what ``take`` reads: ``comm``,
-    ``group``, ``async_op``, ``device`` (the tensors are CUDA tensors, which the CPU
-    validation leaves to the device path), ``nbytes``, what the flight recorder files the
+    ``group``, ``async_op``, ``device`` (the tensors are CUDA tensors: validated alike,
+    without host views; hpcddp.collectives.paths.device), ``nbytes``, what the flight recorder files the
     call under: ``name`` (the recorded op), ``shape``, ``dtype``, ``root`` (the root or peer,
     None without one), ``red`` (a reduction's kind, else None), ``results`` (what a
     completed async call's Work returns), and ``memo`` (the tensors a plan of the call is
@@ -67,7 +70,6 @@ class Call:
                  "mop", "kind", "tag",
                  "block",       # the list forms: one block's element count, the same on every
                                 # rank (0: blocks of any size, all_to_all)
-                 "splits",      # all_to_all_single on CUDA: (output, input) split sizes
                  "layout",      # all_to_all_single: (send counts, displacements, recv ...)
                  "exchange",    # the list forms' exchange as run: (own copy, sends, recvs)
                  "via",         # what a path's applies() found for the group (its Arena,
@@ -158,13 +160,12 @@ def pair(fn: str, output, input, group, async_op: bool, out_arg: str = "output",
     try:
         call.out = as_array(output, fn, out_arg)
         call.inp = as_array(input, fn, in_arg)
-    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it)
+    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): both on its device
         call.device = True
+        one_device(fn, (out_arg, output), (in_arg, input))
     else:
         call.device = False
-    # getattr: a device call's tensors are checked by the device path, after this
-    call.name, call.shape = fn, getattr(input, "shape", None)
-    call.dtype = getattr(input, "dtype", None)
+    call.name, call.shape, call.dtype = fn, input.shape, input.dtype
     call.root = call.red = call.memo = None
     call.results = [output]
     return call
@@ -196,10 +197,12 @@ def take(route: tuple, call: Call):
     their own numbering, and never queued (MPI orders them among themselves)."""
     if call.device:       # the device rows (a flag, tested without a call)
         _engine.drain(call.comm)   # the caller's thread keeps its CUDA stream
-        return route[1](call) if route[0](call) else route[2](call)
+        if not route[0](call):     # host staging: this take again, on host twins
+            return route[2](call, route)
+        route = route[8]           # CUDA-aware: its row alone, recorded and scaled here
     collective, comm = route[6], call.comm
     if collective:
-        if _engine.pending or call.async_op and _engine.on():
+        if _engine.pending or call.async_op and _engine.on() and not call.device:
             return _enqueue(route, call)
         seq = comm.seq = comm.seq + 1          # the record (recorder.FlightRecorder.start)
         _ring[next(_slots)] = entry = call.entry = [seq, call.name, comm, call.shape,
@@ -309,12 +312,15 @@ def premultiply(method: str, call: Call):
         unscaled = call.tensor.clone()
         call.tensor.mul_(factor)
         return unscaled
+    # (a device call has no host views: the CUDA-aware path reads the tensors)
     if method == "reduce":
         call.tensor = call.tensor.clone().mul_(factor)
-        call.arr = as_array(call.tensor)
+        if not call.device:
+            call.arr = as_array(call.tensor)
     elif method == "reduce_scatter_tensor":
         call.input = call.input.clone().mul_(factor)
-        call.inp = as_array(call.input)
+        if not call.device:
+            call.inp = as_array(call.input)
     else:                                   # reduce_scatter: one block per rank
         call.tensors = [t.clone().mul_(factor) for t in call.tensors]
     return None

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from hpcddp.collectives import _lists
 from hpcddp.collectives import engine as _engine
-from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, check_list,
-                                        same_spec)
+from hpcddp.collectives._common import (CompletedWork, as_array, as_arrays, check_blocks,
+                                        check_list, same_spec)
 from hpcddp.collectives._plans import (ALL_GATHER, ALL_GATHER_TENSOR, GATHER, SCATTER,
                                        bhit as _bcast_hit, rooted_xhit as _rooted_hit,
                                        xhit as _xhit)
@@ -23,8 +23,8 @@ def _one(fn: str, tensor, group, async_op, root_arg: str | None = None, root=Non
     call = Call()
     try:
         call.arr = as_array(tensor, fn, "tensor")
-    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): the device path checks
-        call.device, call.nbytes = True, 0
+    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): no host view
+        call.device, call.nbytes = True, tensor.nbytes
     else:
         call.device, call.nbytes = False, call.arr.nbytes
     comm = resolve(group, fn)
@@ -49,7 +49,7 @@ def broadcast(tensor, src, group=None, async_op=False):
     if not _engine.pending and not (async_op and _engine.on()) and _bcast_hit(tensor, src, group):
         return None if not async_op else CompletedWork([tensor])
     call = _one("broadcast", tensor, group, async_op, "src", src)
-    call.memo = (tensor,)
+    call.memo = None if call.device else (tensor,)
     return take(_BROADCAST, call)
 
 
@@ -70,15 +70,11 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     fn = "all_gather_into_tensor"
     call = pair(fn, output_tensor, input_tensor, group, async_op, "output_tensor",
                 "input_tensor")
-    if not call.device:
-        comm = call.comm
-        if output_tensor.dtype != input_tensor.dtype:
-            raise TypeError(f"{fn}: output_tensor has dtype {output_tensor.dtype}, expected "
-                            f"{input_tensor.dtype} (input_tensor's)")
-        if output_tensor.numel() != input_tensor.numel() * comm.size:
-            raise ValueError(f"{fn}: output_tensor has {output_tensor.numel()} elements, "
-                             f"expected {input_tensor.numel() * comm.size} (input's "
-                             f"{input_tensor.numel()} x group size {comm.size})")
+    comm = call.comm
+    check_blocks(fn, output_tensor, "output_tensor", input_tensor, "input_tensor", comm.size)
+    if call.device:
+        call.nbytes = output_tensor.nbytes
+    else:
         call.nbytes = call.out.nbytes
         call.arr = call.out                     # the hierarchical row's count test
         if not async_op:
@@ -100,21 +96,22 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         return None
     fn = "all_gather"
     call = _one(fn, tensor, group, async_op)
-    call.tensors = tensor_list
-    if not call.device:
-        send, comm = call.arr, call.comm
-        check_list(tensor_list, comm.size, fn, "tensor_list")
-        call.views = as_arrays(tensor_list, tensor, fn, "tensor_list", same_shape=False)
-        for i, v in enumerate(call.views):
-            if v.size != send.size:
-                raise ValueError(f"{fn}: tensor_list[{i}] has {v.size} elements, expected "
-                                 f"{send.size} (tensor's; every rank sends the same size)")
-        call.block = send.size                  # one block, the same on every rank
-        call.results = list(tensor_list)
-        if not async_op and send.size:
-            call.memo = (tensor, *tensor_list)
+    call.tensors, comm, block = tensor_list, call.comm, tensor.numel()
+    check_list(tensor_list, comm.size, fn, "tensor_list")
+    if call.device:
+        same_spec(tensor_list, tensor, fn, "tensor_list", same_shape=False)
+        sizes = [t.numel() for t in tensor_list]
     else:
-        call.results = []
+        call.views = as_arrays(tensor_list, tensor, fn, "tensor_list", same_shape=False)
+        sizes = [v.size for v in call.views]
+    for i, k in enumerate(sizes):
+        if k != block:
+            raise ValueError(f"{fn}: tensor_list[{i}] has {k} elements, expected {block} "
+                             f"(tensor's; every rank sends the same size)")
+    call.block = block                          # one block, the same on every rank
+    call.results = list(tensor_list)
+    if not async_op and block and not call.device:
+        call.memo = (tensor, *tensor_list)
     return take(_ALL_GATHER, call)
 
 
@@ -134,7 +131,7 @@ def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
         return None
     call = _rooted("gather", tensor, gather_list, dst, group, async_op, "dst", "gather_list",
                    "destination")
-    call.memo = None if async_op else tensors
+    call.memo = None if async_op or call.device else tensors
     return take(_GATHER, call)
 
 
@@ -143,17 +140,17 @@ def _rooted(fn: str, tensor, lst, root, group, async_op, root_arg, list_arg, rol
     or empty on the other ranks."""
     call = _one(fn, tensor, group, async_op, root_arg, root)
     call.tensors, call.block = lst, tensor.numel()    # every rank's block: the same size
-    if not call.device:
-        comm = call.comm
-        if comm.rank == root:
-            check_list(lst, comm.size, fn, list_arg)
-            same_spec(lst, tensor, fn, list_arg)
+    comm = call.comm
+    if comm.rank == root:
+        check_list(lst, comm.size, fn, list_arg)
+        same_spec(lst, tensor, fn, list_arg)
+        if not call.device:
             call.views = [as_array(t, fn, f"{list_arg}[{i}]") for i, t in enumerate(lst)]
-        elif lst:
-            raise ValueError(f"{fn}: {list_arg} must be None or empty on rank {comm.rank}, "
-                             f"which is not the {role} ({root_arg}={root})")
-        if fn == "gather":    # gloo's answer: the gathered tensors on the root, none elsewhere
-            call.results = list(lst) if comm.rank == root else []
+    elif lst:
+        raise ValueError(f"{fn}: {list_arg} must be None or empty on rank {comm.rank}, "
+                         f"which is not the {role} ({root_arg}={root})")
+    if fn == "gather":    # gloo's answer: the gathered tensors on the root, none elsewhere
+        call.results = list(lst) if comm.rank == root else []
     return call
 
 
@@ -171,7 +168,7 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
         return None
     call = _rooted("scatter", tensor, scatter_list, src, group, async_op, "src",
                    "scatter_list", "source")
-    call.memo = None if async_op else tensors
+    call.memo = None if async_op or call.device else tensors
     return take(_SCATTER, call)
 
 

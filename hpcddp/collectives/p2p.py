@@ -60,11 +60,11 @@ def _p2p(fn: str, tensor, peer, group, tag, plan: bool = True) -> Call:
     call.memo = (tensor,) if plan else None
     try:
         call.arr = as_array(tensor, fn, "tensor")
-    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): the device path checks
-        call.device, call.nbytes = True, 0
+    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): no host view
+        call.device, call.nbytes, call.memo = True, tensor.nbytes, None
     else:
-        _check_tag(tag, fn)
         call.device, call.nbytes = False, call.arr.nbytes
+    _check_tag(tag, fn)
     return call
 
 
@@ -108,7 +108,7 @@ def irecv(tensor, src=None, group=None, tag=0, *, fn: str = "irecv"):
 def _irecv(tensor, src, group, tag, plan: bool, fn: str = "irecv"):
     """irecv's full path; PLAN as in :func:`_p2p`."""
     call = _p2p(fn, tensor, src, group, tag, plan)
-    if not call.device and src is None and _large.too_big(call.arr):
+    if src is None and _large.too_big(tensor):
         raise ValueError(f"{fn}: src=None (any source) with {tensor.numel()} elements, over this "
                          f"MPI's count limit of {_large.MAX_COUNT}: the message travels in "
                          f"pieces that must come from one sender; give src (or use recv)")

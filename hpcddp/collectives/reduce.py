@@ -10,12 +10,13 @@ import torch.distributed as dist
 
 from hpcddp.collectives import _large
 from hpcddp.collectives import engine as _engine
-from hpcddp.collectives._common import CompletedWork, as_array, check_list, same_spec
+from hpcddp.collectives._common import (CompletedWork, as_array, check_blocks, check_list,
+                                        same_spec)
 from hpcddp.collectives._plans import (REDUCE_SCATTER_LIST, REDUCE_SCATTER_TENSOR,
                                        hit as _plan_hit, rhit as _reduce_hit, xhit as _xhit)
 from hpcddp.collectives.call import Call, recorded_name, reduce_op, resolve, take
 from hpcddp.collectives.paths import route
-from hpcddp.comm.buffers import DeviceTensor
+from hpcddp.comm.buffers import DeviceTensor, one_device
 
 SUM = dist.ReduceOp.SUM
 SUM_KIND = dist.ReduceOp.RedOpType.SUM
@@ -27,8 +28,8 @@ def _reduction(fn: str, tensor, op, group, async_op, arg: str = "tensor") -> Cal
     call = Call()
     try:
         call.arr = as_array(tensor, fn, arg)
-    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): the device path checks
-        call.device, call.nbytes = True, 0
+    except DeviceTensor:  # a CUDA tensor (CPU tensors never raise it): no host view
+        call.device, call.nbytes = True, tensor.nbytes
     else:
         call.device, call.nbytes = False, call.arr.nbytes
     call.comm, call.group, call.async_op = resolve(group, fn), group, async_op
@@ -102,26 +103,19 @@ def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
         return None
     fn = "reduce_scatter_tensor"
     call = _reduction(fn, output, op, group, async_op, "output")
-    call.input = input
-    if not call.device:
-        try:
-            call.inp = as_array(input, fn, "input")
-        except DeviceTensor:
-            call.device = True
-    if not call.device:
-        comm, inp = call.comm, call.inp
-        if input.dtype != output.dtype:
-            raise TypeError(f"{fn}: input has dtype {input.dtype}, expected {output.dtype} "
-                            f"(output's)")
-        if input.numel() != output.numel() * comm.size:
-            raise ValueError(f"{fn}: input has {input.numel()} elements, expected "
-                             f"{output.numel() * comm.size} (output's {output.numel()} x group "
-                             f"size {comm.size})")
-        if _large.too_big(inp):
-            _large.refuse(fn, "input", input.numel())
-        call.nbytes = inp.nbytes            # the paths' thresholds are on the whole input
-        if not async_op and call.kind == SUM_KIND:
-            call.memo = (output, input)     # planned on its second call in a row
+    call.input, comm = input, call.comm
+    try:
+        call.inp = as_array(input, fn, "input")
+    except DeviceTensor:
+        call.device = True
+    if call.device:
+        one_device(fn, ("output", output), ("input", input))
+    check_blocks(fn, input, "input", output, "output", comm.size)
+    if _large.too_big(input):
+        _large.refuse(fn, "input", input.numel())
+    call.nbytes = input.nbytes              # the paths' thresholds are on the whole input
+    if not async_op and call.kind == SUM_KIND and not call.device:
+        call.memo = (output, input)         # planned on its second call in a row
     call.name = recorded_name("reduce_scatter", call.kind)
     return take(_REDUCE_SCATTER_TENSOR, call)
 
@@ -138,15 +132,13 @@ def reduce_scatter(output, input_list, op=SUM, group=None, async_op=False):
         return None
     fn = "reduce_scatter"
     call = _reduction(fn, output, op, group, async_op, "output")
-    call.tensors = input_list
-    if not call.device:
-        comm = call.comm
-        check_list(input_list, comm.size, fn, "input_list")
-        same_spec(input_list, output, fn, "input_list")
-        call.nbytes = output.nbytes * comm.size
-        call.block = output.numel()             # one block, the same on every rank
-        if not async_op and call.kind == SUM_KIND:
-            call.memo = (output, *input_list)   # planned on its second call in a row
+    call.tensors, comm = input_list, call.comm
+    check_list(input_list, comm.size, fn, "input_list")
+    same_spec(input_list, output, fn, "input_list")
+    call.nbytes = output.nbytes * comm.size
+    call.block = output.numel()                 # one block, the same on every rank
+    if not async_op and call.kind == SUM_KIND and not call.device:
+        call.memo = (output, *input_list)       # planned on its second call in a row
     return take(_REDUCE_SCATTER, call)
 
 

@@ -52,7 +52,7 @@ class NotContiguous(TensorError):
 
 class DeviceTensor(TensorError):
     """Raised by :func:`as_array` for a CUDA tensor: its memory is not host memory. The ops
-    catch it and take their device path (hpcddp.collectives._device), which passes a device
+    catch it and take their device path (hpcddp.collectives.paths.device), which passes a device
     pointer only to a CUDA-aware MPI and otherwise stages through pinned host memory. Code
     that does not catch it fails here, before any message, instead of crashing MPI."""
 
@@ -156,6 +156,19 @@ def same_spec(tensors, ref: torch.Tensor, fn: str, arg: str, *, same_shape: bool
                 raise TensorError(f"{fn}: {arg}[{i}] is on {t.device}, expected {ref.device} "
                                   f"(all tensors of one op are on one device)")
         _like(t, i, ref, fn, arg, same_shape)
+
+
+def one_device(fn: str, *named) -> None:
+    """Check the tensors NAMED [(arg, tensor), ...] of a call on device memory (their op met
+    one CUDA tensor) and that they share one device, naming the first that differs."""
+    ref_arg, ref = None, None
+    for arg, t in named:
+        check_tensor(t, fn, arg)
+        if ref is None:
+            ref_arg, ref = arg, t
+        elif t.device != ref.device:
+            raise TensorError(f"{fn}: {arg} is on {t.device} but {ref_arg} is on {ref.device}; "
+                              f"all tensors of one op must be on one device")
 
 
 def as_arrays(tensors, ref: torch.Tensor, fn: str, arg: str, *,

@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 import hpcddp
 from hpcddp import collectives as C
-from hpcddp.collectives import _device as D
+from hpcddp.collectives.paths import device as D
 from hpcddp.comm import cuda as cuda_mod
+from hpcddp.comm.cuda import CudaAwareness
 from hpcddp.collectives._gpu_staging import PinnedPool, Staging
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -54,18 +55,39 @@ def wait(w):
         w.wait()
 
 
-def staging_ctx() -> D.DeviceCtx:
-    # chunks of 4 KiB from 8 KiB: a 100k-element tensor crosses ~50-100 chunks
-    return D.DeviceCtx(path="staging", staging=Staging(pool=PinnedPool(), chunk_bytes=4096,
-                                                       pipeline_bytes=8192))
+class Via:
+    """hpcddp's op of each name, run with the device paths' settings (paths.device.DEVICE) set
+    to AWARENESS and STAGING (None: the process's own)."""
+
+    def __init__(self, awareness=None, staging=None):
+        self.awareness, self.staging = awareness, staging
+
+    def __getattr__(self, op):
+        fn = getattr(C, op)
+
+        def run(*args):
+            saved = D.DEVICE.awareness, D.DEVICE.staging
+            D.DEVICE.awareness, D.DEVICE.staging = self.awareness, self.staging
+            try:
+                return fn(*args)
+            finally:
+                D.DEVICE.awareness, D.DEVICE.staging = saved
+        return run
 
 
-def direct_ctx() -> D.DeviceCtx:
-    return D.DeviceCtx(path="direct")
+def staging_ctx() -> Via:
+    # the MPI taken as not CUDA-aware, so every op stages; chunks of 4 KiB from 8 KiB: a
+    # 100k-element tensor crosses ~50-100 chunks
+    return Via(CudaAwareness(False, "test", "taken as not CUDA-aware", "test"),
+               Staging(pool=PinnedPool(), chunk_bytes=4096, pipeline_bytes=8192))
 
 
-def default_ctx() -> D.DeviceCtx:
-    return D.DeviceCtx()
+def direct_ctx() -> Via:
+    return Via()                    # the test runs only where detection says CUDA-aware
+
+
+def default_ctx() -> Via:
+    return Via()
 
 
 def check_all_ops(comm, to_dev, ctx_factory, dtype) -> None:
@@ -80,19 +102,19 @@ def check_all_ops(comm, to_dev, ctx_factory, dtype) -> None:
             C.all_reduce(ref, op, comm)
             for async_op in (False, True):
                 y = to_dev(x.clone())
-                wait(D.all_reduce(y, op, comm, async_op, ctx_factory()))
+                wait(ctx_factory().all_reduce(y, op, comm, async_op))
                 same(y, ref, f"all_reduce {name} {dtype} n={size} async={async_op}")
         for root in range(n):
             ref = x.clone()
             C.reduce(ref, root, R.SUM, comm)
             y = to_dev(x.clone())
-            D.reduce(y, root, R.SUM, comm, False, ctx_factory())
+            ctx_factory().reduce(y, root, R.SUM, comm, False)
             same(y, ref, f"reduce root={root} n={size}")
             ref = x.clone()
             C.broadcast(ref, root, comm)
             for async_op in (False, True):
                 y = to_dev(x.clone())
-                wait(D.broadcast(y, root, comm, async_op, ctx_factory()))
+                wait(ctx_factory().broadcast(y, root, comm, async_op))
                 same(y, ref, f"broadcast src={root} n={size} async={async_op}")
     m = 33
     x = data(me, m, dtype)
@@ -100,37 +122,37 @@ def check_all_ops(comm, to_dev, ctx_factory, dtype) -> None:
     C.all_gather_into_tensor(ref, x, comm)
     for async_op in (False, True):
         out = to_dev(torch.zeros(m * n, dtype=dtype))
-        wait(D.all_gather_into_tensor(out, to_dev(x), comm, async_op, ctx_factory()))
+        wait(ctx_factory().all_gather_into_tensor(out, to_dev(x), comm, async_op))
         same(out, ref, f"all_gather_into_tensor async={async_op}")
         outs = [to_dev(torch.zeros(m, dtype=dtype)) for _ in range(n)]
-        wait(D.all_gather(outs, to_dev(x), comm, async_op, ctx_factory()))
+        wait(ctx_factory().all_gather(outs, to_dev(x), comm, async_op))
         for i in range(n):
             same(outs[i], ref[i * m:(i + 1) * m], f"all_gather[{i}] async={async_op}")
     for root in range(n):
         mine = comm.rank == root
         got = [to_dev(torch.zeros(m, dtype=dtype)) for _ in range(n)] if mine else None
-        D.gather(to_dev(x), got, root, comm, False, ctx_factory())
+        ctx_factory().gather(to_dev(x), got, root, comm, False)
         if mine:
             for i in range(n):
                 same(got[i], data(i, m, dtype), f"gather dst={root}[{i}]")
         pieces = [to_dev(data(me, m, dtype, salt=i)) for i in range(n)] if mine else None
         out = to_dev(torch.zeros(m, dtype=dtype))
-        D.scatter(out, pieces, root, comm, False, ctx_factory())
+        ctx_factory().scatter(out, pieces, root, comm, False)
         same(out, data(root, m, dtype, salt=me), f"scatter src={root}")
     big = data(me, m * n, dtype)
     ref = torch.empty(m, dtype=dtype)
     C.reduce_scatter_tensor(ref, big.clone(), R.SUM, comm)
     out = to_dev(torch.zeros(m, dtype=dtype))
-    D.reduce_scatter_tensor(out, to_dev(big), R.SUM, comm, False, ctx_factory())
+    ctx_factory().reduce_scatter_tensor(out, to_dev(big), R.SUM, comm, False)
     same(out, ref, "reduce_scatter_tensor")
     out = to_dev(torch.zeros(m, dtype=dtype))
-    D.reduce_scatter(out, [to_dev(c) for c in big.chunk(n)], R.SUM, comm, False, ctx_factory())
+    ctx_factory().reduce_scatter(out, [to_dev(c) for c in big.chunk(n)], R.SUM, comm, False)
     same(out, ref, "reduce_scatter")
     a2a = data(me, 2 * n * 3, dtype).view(2 * n, 3)
     ref = torch.empty_like(a2a)
     C.all_to_all_single(ref, a2a, group=comm)
     out = to_dev(torch.zeros_like(a2a))
-    D.all_to_all_single(out, to_dev(a2a), None, None, comm, False, ctx_factory())
+    ctx_factory().all_to_all_single(out, to_dev(a2a), None, None, comm, False)
     same(out, ref, "all_to_all_single")
     sin = [j + me + 1 for j in range(n)]
     sout = [me + j + 1 for j in range(n)]
@@ -138,19 +160,19 @@ def check_all_ops(comm, to_dev, ctx_factory, dtype) -> None:
     refu = torch.empty(sum(sout), dtype=dtype)
     C.all_to_all_single(refu, xu, sout, sin, group=comm)
     outu = to_dev(torch.zeros(sum(sout), dtype=dtype))
-    D.all_to_all_single(outu, to_dev(xu), sout, sin, comm, False, ctx_factory())
+    ctx_factory().all_to_all_single(outu, to_dev(xu), sout, sin, comm, False)
     same(outu, refu, "all_to_all_single uneven")
     ins = [data(me, j + 2, dtype, salt=j) for j in range(n)]
     refl = [torch.empty(me + 2, dtype=dtype) for _ in range(n)]
     C.all_to_all(refl, ins, group=comm)
     outl = [to_dev(torch.zeros(me + 2, dtype=dtype)) for _ in range(n)]
-    D.all_to_all(outl, [to_dev(t) for t in ins], comm, False, ctx_factory())
+    ctx_factory().all_to_all(outl, [to_dev(t) for t in ins], comm, False)
     for j in range(n):
         same(outl[j], refl[j], f"all_to_all[{j}]")
     nxt, prv = (me + 1) % n, (me - 1) % n
     got = to_dev(torch.zeros(1000, dtype=dtype))
-    rw = D.irecv(got, prv, comm, 11, ctx_factory())
-    D.isend(to_dev(data(me, 1000, dtype)), nxt, comm, 11, ctx_factory()).wait()
+    rw = ctx_factory().irecv(got, prv, comm, 11)
+    ctx_factory().isend(to_dev(data(me, 1000, dtype)), nxt, comm, 11).wait()
     rw.wait()
     same(got, data(prv, 1000, dtype), "isend/irecv ring")
 

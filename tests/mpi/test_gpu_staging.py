@@ -1,19 +1,18 @@
 """The device path of every op, run without a GPU: CPU tensors stand in for CUDA tensors.
 
-hpcddp.collectives._device takes a ``DeviceCtx`` that forces the path ("staging" or
-"direct"), the CUDA-awareness and the staging settings. Here the staging copier is
+Each op is called through the public API on ``FakeCuda`` tensors (host memory that says it is
+on cuda:0), with the device paths' settings (hpcddp.collectives.paths.device.DEVICE) set to
+"staging" (the MPI faked not CUDA-aware) or "direct" (faked CUDA-aware). Here the staging copier is
 ``HostCopier`` (plain copies, logged) and chunks are tiny (64 bytes, pipelined from 128), so a
 1000-element tensor goes through ~60 chunks cycling through 3 pinned slots. The "direct" path
-is handed host memory posing as device memory (awareness faked True): it exercises the blocking
-MPI calls, PREMUL_SUM/AVG handling and the list forms the real direct path uses.
+is handed host memory posing as device memory: it exercises the blocking MPI calls,
+PREMUL_SUM/AVG handling and the list forms the real direct path uses.
 
 Every result must equal the host path (the CPU op itself) exactly: inputs are small
 integer-valued numbers, so sums are exact whatever the order or chunking.
 
-The last tests check the gate: a CUDA-looking tensor (a Tensor subclass that says it lives on
-cuda:0) through the public API takes the device path and, with an MPI that is not CUDA-aware,
-never produces a device buffer; a forced direct path to such an MPI is refused before any
-message.
+The last tests check the gate: with an MPI that is not CUDA-aware, a device call never
+produces a device buffer, and a device buffer for such an MPI is refused.
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 import hpcddp
 from hpcddp import settings
 from hpcddp import collectives as C
-from hpcddp.collectives import _device as D
+from hpcddp.collectives.paths import device as D
 from hpcddp.comm import cuda as cuda_mod
 from hpcddp.comm.buffers import DevicePointerRefused, DeviceTensor, as_array
 from hpcddp.comm.cuda import CudaAwareness
@@ -45,12 +44,41 @@ def comm():
     return hpcddp.init().world
 
 
-def ctx(path: str, log: list | None = None, aware=None) -> D.DeviceCtx:
+def ctx(path: str, log: list | None = None, aware=None) -> "Dev":
+    """The public ops on CPU tensors posing as CUDA tensors, the device paths set to PATH."""
     staging = Staging(pool=POOL, copier=lambda t: HostCopier(log), chunk_bytes=CHUNK,
                       pipeline_bytes=PIPELINE)
     if aware is None:
         aware = AWARE if path == "direct" else NOT_AWARE
-    return D.DeviceCtx(path=path, awareness=aware, staging=staging)
+    return Dev(aware, staging)
+
+
+def _fake(x):
+    if isinstance(x, torch.Tensor) and not isinstance(x, FakeCuda):
+        return FakeCuda.of(x)
+    if isinstance(x, list):
+        return [_fake(t) for t in x]
+    return x
+
+
+class Dev:
+    """hpcddp's op of each name, its tensors posing as CUDA tensors (FakeCuda views of the
+    same memory), run with the device paths' settings AWARE and STAGING."""
+
+    def __init__(self, aware, staging):
+        self.aware, self.staging = aware, staging
+
+    def __getattr__(self, op):
+        fn = getattr(C, op)
+
+        def run(*args):
+            saved = D.DEVICE.awareness, D.DEVICE.staging
+            D.DEVICE.awareness, D.DEVICE.staging = self.aware, self.staging
+            try:
+                return fn(*map(_fake, args))
+            finally:
+                D.DEVICE.awareness, D.DEVICE.staging = saved
+        return run
 
 
 def data(rank: int, n: int, dtype, salt: int = 0) -> torch.Tensor:
@@ -93,7 +121,7 @@ def test_all_reduce(comm, dtype, async_op):
             C.all_reduce(ref, op, comm)
             for path in PATHS:
                 y = x.clone()
-                wait(D.all_reduce(y, op, comm, async_op, ctx(path)))
+                wait(ctx(path).all_reduce(y, op, comm, async_op))
                 same(y, ref, f"all_reduce {name} {dtype} n={n} {path} async={async_op}")
 
 
@@ -108,7 +136,7 @@ def test_reduce_every_root(comm, dtype):
                 for path in PATHS:
                     for async_op in (False, True):
                         y = x.clone()
-                        wait(D.reduce(y, dst, op, comm, async_op, ctx(path)))
+                        wait(ctx(path).reduce(y, dst, op, comm, async_op))
                         same(y, ref, f"reduce {name} dst={dst} n={n} {path} async={async_op}")
 
 
@@ -122,7 +150,7 @@ def test_broadcast_every_source(comm, dtype):
             for path in PATHS:
                 for async_op in (False, True):
                     y = x.clone()
-                    wait(D.broadcast(y, src, comm, async_op, ctx(path)))
+                    wait(ctx(path).broadcast(y, src, comm, async_op))
                     same(y, ref, f"broadcast src={src} n={n} {path} async={async_op}")
 
 
@@ -134,7 +162,7 @@ def test_pipeline_chunks_and_slot_reuse(comm):
     ref = x.clone()
     C.all_reduce(ref, R.SUM, comm)
     y = x.clone()
-    D.all_reduce(y, R.SUM, comm, False, ctx("staging", log))
+    ctx("staging", log).all_reduce(y, R.SUM, comm, False)
     same(y, ref, "pipelined all_reduce")
     d2h = [e for e in log if e[0] == "d2h"]
     h2d = [e for e in log if e[0] == "h2d"]
@@ -152,11 +180,11 @@ def test_pipeline_roles(comm):
     only the root copies back."""
     log: list = []
     x = data(comm.rank, 1000, torch.float32)
-    D.broadcast(x, 0, comm, False, ctx("staging", log))
+    ctx("staging", log).broadcast(x, 0, comm, False)
     kinds = {e[0] for e in log}
     assert kinds == ({"d2h"} if comm.rank == 0 else {"h2d"})
     log.clear()
-    D.reduce(x, 0, R.SUM, comm, False, ctx("staging", log))
+    ctx("staging", log).reduce(x, 0, R.SUM, comm, False)
     kinds = {e[0] for e in log}
     assert kinds == ({"d2h", "h2d"} if comm.rank == 0 else {"d2h"})
 
@@ -173,29 +201,29 @@ def test_async_is_staged_whole(comm):
     x = data(comm.rank, 1000, torch.float32)
     ref = x.clone()
     C.all_reduce(ref, R.SUM, comm)
-    w = D.all_reduce(x, R.SUM, comm, True, ctx("staging", log))
+    w = ctx("staging", log).all_reduce(x, R.SUM, comm, True)
     assert [e[0] for e in log] == ["d2h", "h2d"]
     same(x, ref, "async staged all_reduce, before wait")
     w.wait()
     assert [e[0] for e in log] == ["d2h", "h2d"]
     same(x, ref, "async staged all_reduce")
-    assert w.result()[0] is x
+    assert w.result()[0].data_ptr() == x.data_ptr()     # x itself, posing as CUDA
 
     log.clear()
     x = data(comm.rank, 1000, torch.float32)
     ref = x.clone()
     C.reduce(ref, 0, R.SUM, comm)
-    w = D.reduce(x, 0, R.SUM, comm, True, ctx("staging", log))
+    w = ctx("staging", log).reduce(x, 0, R.SUM, comm, True)
     assert [e[0] for e in log] == (["d2h", "h2d"] if comm.rank == 0 else ["d2h"])
     if comm.rank == 0:
         same(x, ref, "async staged reduce at the root, before wait")
     w.wait()
-    assert w.result()[0] is x
+    assert w.result()[0].data_ptr() == x.data_ptr()     # x itself, posing as CUDA
 
     log.clear()
     x = data(comm.rank, 1000, torch.float32)
     got = [torch.empty(1000) for _ in range(comm.size)] if comm.rank == 0 else None
-    w = D.gather(x, got, 0, comm, True, ctx("staging", log))
+    w = ctx("staging", log).gather(x, got, 0, comm, True)
     assert [e[0] for e in log] == ["d2h"]
     w.wait()
     if comm.rank == 0:
@@ -219,10 +247,10 @@ def test_gathers(comm, dtype):
             for async_op in (False, True):
                 what = f"{dtype} m={m} {path} async={async_op}"
                 out = torch.full((m * n,), 9, dtype=dtype)
-                wait(D.all_gather_into_tensor(out, x, comm, async_op, ctx(path)))
+                wait(ctx(path).all_gather_into_tensor(out, x, comm, async_op))
                 same(out, ref_t, "all_gather_into_tensor " + what)
                 outs = [torch.full((m,), 9, dtype=dtype) for _ in range(n)]
-                wait(D.all_gather(outs, x, comm, async_op, ctx(path)))
+                wait(ctx(path).all_gather(outs, x, comm, async_op))
                 for i in range(n):
                     same(outs[i], ref_l[i], f"all_gather[{i}] " + what)
                 for dst in range(n):
@@ -230,7 +258,7 @@ def test_gathers(comm, dtype):
                     ref_g = [torch.empty(m, dtype=dtype) for _ in range(n)] if root else None
                     C.gather(x, ref_g, dst, comm)
                     got = [torch.full((m,), 9, dtype=dtype) for _ in range(n)] if root else None
-                    wait(D.gather(x, got, dst, comm, async_op, ctx(path)))
+                    wait(ctx(path).gather(x, got, dst, comm, async_op))
                     if root:
                         for i in range(n):
                             same(got[i], ref_g[i], f"gather dst={dst}[{i}] " + what)
@@ -248,7 +276,7 @@ def test_scatter(comm, dtype):
             for path in PATHS:
                 for async_op in (False, True):
                     got = torch.full((m,), 9, dtype=dtype)
-                    wait(D.scatter(got, pieces, src, comm, async_op, ctx(path)))
+                    wait(ctx(path).scatter(got, pieces, src, comm, async_op))
                     same(got, ref, f"scatter src={src} m={m} {path} async={async_op}")
 
 
@@ -265,13 +293,13 @@ def test_reduce_scatter(comm, dtype):
                     what = f"{name} {dtype} m={m} {path} async={async_op}"
                     out = torch.full((m,), 9, dtype=dtype)
                     inp = x.clone()
-                    wait(D.reduce_scatter_tensor(out, inp, op, comm, async_op, ctx(path)))
+                    wait(ctx(path).reduce_scatter_tensor(out, inp, op, comm, async_op))
                     same(out, ref, "reduce_scatter_tensor " + what)
                     same(inp, x, "reduce_scatter_tensor leaves its input " + what)
                     out = torch.full((m,), 9, dtype=dtype)
-                    wait(D.reduce_scatter(out, list(x.clone().chunk(n)) if m else
-                                          [torch.empty(0, dtype=dtype) for _ in range(n)],
-                                          op, comm, async_op, ctx(path)))
+                    wait(ctx(path).reduce_scatter(out, list(x.clone().chunk(n)) if m else
+                                                  [torch.empty(0, dtype=dtype) for _ in range(n)],
+                                                  op, comm, async_op))
                     same(out, ref, "reduce_scatter " + what)
 
 
@@ -294,13 +322,13 @@ def test_all_to_all(comm, dtype):
         for async_op in (False, True):
             what = f"{dtype} {path} async={async_op}"
             out = torch.full_like(x, 9)
-            wait(D.all_to_all_single(out, x, None, None, comm, async_op, ctx(path)))
+            wait(ctx(path).all_to_all_single(out, x, None, None, comm, async_op))
             same(out, ref, "all_to_all_single " + what)
             outu = torch.full_like(refu, 9)
-            wait(D.all_to_all_single(outu, xu, sout, sin, comm, async_op, ctx(path)))
+            wait(ctx(path).all_to_all_single(outu, xu, sout, sin, comm, async_op))
             same(outu, refu, "all_to_all_single uneven " + what)
             outl = [torch.full_like(t, 9) for t in refl]
-            wait(D.all_to_all(outl, ins, comm, async_op, ctx(path)))
+            wait(ctx(path).all_to_all(outl, ins, comm, async_op))
             for i in range(n):
                 same(outl[i], refl[i], f"all_to_all[{i}] " + what)
 
@@ -315,23 +343,23 @@ def test_point_to_point(comm, path):
     x = data(comm.rank, 1000, torch.float32)
     expect = data(prv, 1000, torch.float32)
     got = torch.zeros(1000)
-    rw = D.irecv(got, prv, comm, 3, ctx(path))
-    sw = D.isend(x, nxt, comm, 3, ctx(path))
+    rw = ctx(path).irecv(got, prv, comm, 3)
+    sw = ctx(path).isend(x, nxt, comm, 3)
     sw.wait()
     rw.wait()
     same(got, expect, f"isend/irecv {path}")
     got = torch.zeros(1000)
     if comm.rank % 2 == 0:
-        D.send(x, nxt, comm, 4, ctx(path))
-        src = D.recv(got, prv, comm, 4, ctx(path))
+        ctx(path).send(x, nxt, comm, 4)
+        src = ctx(path).recv(got, prv, comm, 4)
     else:
-        src = D.recv(got, prv, comm, 4, ctx(path))
-        D.send(x, nxt, comm, 4, ctx(path))
+        src = ctx(path).recv(got, prv, comm, 4)
+        ctx(path).send(x, nxt, comm, 4)
     assert src == prv
     same(got, expect, f"send/recv {path}")
     # a CPU sender and a staged receiver from any source: message structure matches
     got = torch.zeros(1000)
-    rw = D.irecv(got, None, comm, 5, ctx(path))
+    rw = ctx(path).irecv(got, None, comm, 5)
     C.send(x, nxt, comm, tag=5)
     rw.wait()
     assert rw.source_rank() == prv
@@ -342,13 +370,12 @@ def test_validation_happens_before_staging(comm):
     """Errors name the op and argument on the calling rank, and the pinned buffer goes back."""
     before = POOL.cached_bytes()
     with pytest.raises(ValueError, match="all_gather: tensor_list has 1 tensors"):
-        D.all_gather([torch.zeros(3)], torch.zeros(3), comm, False, ctx("staging"))
+        ctx("staging").all_gather([torch.zeros(3)], torch.zeros(3), comm, False)
     with pytest.raises(TypeError, match="all tensors of one op must be on one device"):
-        D.all_gather_into_tensor(FakeCuda.of(torch.zeros(3 * comm.size)), torch.zeros(3),
-                                 comm, False, ctx("staging"))
+        C.all_gather_into_tensor(FakeCuda.of(torch.zeros(3 * comm.size)), torch.zeros(3), comm)
     with pytest.raises(ValueError, match="expected"):
-        D.reduce_scatter_tensor(torch.zeros(2), torch.zeros(2 * comm.size + 1), R.SUM, comm,
-                                False, ctx("staging"))
+        ctx("staging").reduce_scatter_tensor(torch.zeros(2), torch.zeros(2 * comm.size + 1),
+                                             R.SUM, comm, False)
     assert POOL.cached_bytes() >= before
 
 
@@ -385,7 +412,7 @@ def spy_buffers(monkeypatch):
 
 @pytest.fixture
 def small_default_staging(monkeypatch):
-    monkeypatch.setattr(D._DEFAULT, "staging", ctx("staging").staging)
+    monkeypatch.setattr(D.DEVICE, "staging", ctx("staging").staging)
 
 
 def test_as_array_refuses_device_memory():
@@ -429,20 +456,20 @@ def _public_ops_run(comm):
 
 def test_public_ops_stage_when_not_aware(comm, monkeypatch, spy_buffers, small_default_staging):
     """The detection says no: every op takes the staging path and no device buffer is made."""
-    monkeypatch.setattr(D._DEFAULT, "awareness", NOT_AWARE)
+    monkeypatch.setattr(D.DEVICE, "awareness", NOT_AWARE)
     _public_ops_run(comm)
     assert spy_buffers == []
 
 
 def test_public_ops_stage_when_unknown(comm, monkeypatch, spy_buffers, small_default_staging):
-    monkeypatch.setattr(D._DEFAULT, "awareness", CudaAwareness(None, "none", "unknown", "x"))
+    monkeypatch.setattr(D.DEVICE, "awareness", CudaAwareness(None, "none", "unknown", "x"))
     _public_ops_run(comm)
     assert spy_buffers == []
 
 
 def test_public_ops_direct_when_aware(comm, monkeypatch, spy_buffers, small_default_staging):
     """Detection says yes: device buffers go to MPI (here host memory posing as device)."""
-    monkeypatch.setattr(D._DEFAULT, "awareness", AWARE)
+    monkeypatch.setattr(D.DEVICE, "awareness", AWARE)
     _public_ops_run(comm)
     assert ("all_reduce", "tensor") in spy_buffers
 
@@ -451,7 +478,7 @@ def test_bfloat16_reductions_stage_even_when_aware(comm, monkeypatch, spy_buffer
                                                    small_default_staging):
     """bfloat16 reduces with a user-defined MPI op (Python code reading the buffers): never
     given device pointers. Its broadcast (no op) goes direct."""
-    monkeypatch.setattr(D._DEFAULT, "awareness", AWARE)
+    monkeypatch.setattr(D.DEVICE, "awareness", AWARE)
     x = data(comm.rank, 100, torch.bfloat16)
     ref = x.clone()
     C.all_reduce(ref, R.SUM, comm)
@@ -478,37 +505,28 @@ def test_env_override_drives_the_default_route(comm, monkeypatch, spy_buffers,
     cuda_mod.reset_cache()
 
 
-class NoMPI:
-    """A communicator whose MPI must not be touched."""
-    rank, size = 0, 2
-
-    class _Guard:
-        def __getattr__(self, name):
-            raise AssertionError(f"MPI was called ({name}) although the op should have been "
-                                 f"refused first")
-    mpi = _Guard()
-
-    def check_rank(self, r, fn, arg):
-        return r
-
-
-def test_forced_direct_path_is_refused_before_any_message(spy_buffers):
-    """A device pointer must never reach an MPI not known to be CUDA-aware: forcing the
-    direct path there raises, names the op and the fix, and leaves the tensor unchanged."""
+def test_device_pointers_only_for_an_mpi_known_to_be_cuda_aware(comm, monkeypatch,
+                                                                spy_buffers,
+                                                                small_default_staging):
+    """A device pointer must never reach an MPI not known to be CUDA-aware: the CUDA-aware row
+    does not take the call there (PREMUL_SUM and send included), and a device buffer asked for
+    anyway is refused, naming the op and the fix."""
     for aware in (NOT_AWARE, CudaAwareness(None, "none", "cannot tell", "x")):
-        c = D.DeviceCtx(path="direct", awareness=aware)
+        monkeypatch.setattr(D.DEVICE, "awareness", aware)
         t = FakeCuda.of(torch.ones(4))
-        with pytest.raises(DevicePointerRefused, match="all_reduce: .*HPCDDP_CUDA_AWARE=1"):
-            D.all_reduce(t, dist._make_nccl_premul_sum(3.0), NoMPI(), False, c)
-        assert torch.equal(t.as_subclass(torch.Tensor), torch.ones(4))  # PREMUL not applied
-        for call in (lambda: D.broadcast(t, 0, NoMPI(), False, c),
-                     lambda: D.send(t, 1, NoMPI(), 0, c),
-                     lambda: D.irecv(t, 1, NoMPI(), 0, c),
-                     lambda: D.all_gather_into_tensor(FakeCuda.of(torch.ones(8)), t, NoMPI(),
-                                                      False, c)):
-            with pytest.raises(DevicePointerRefused):
-                call()
+        C.all_reduce(t, dist._make_nccl_premul_sum(3.0), comm)
+        assert torch.equal(t.as_subclass(torch.Tensor), torch.full((4,), 3.0 * comm.size))
+        n = comm.size
+        if n > 1:
+            nxt, prv = (comm.rank + 1) % n, (comm.rank - 1) % n
+            got = FakeCuda.of(torch.zeros(4))
+            w = C.irecv(got, prv, comm, 9)
+            C.send(t, nxt, comm, 9)
+            w.wait()
     assert spy_buffers == []
+    with pytest.raises(DevicePointerRefused, match="all_reduce: .*HPCDDP_CUDA_AWARE=1"):
+        cuda_mod.device_buffer(FakeCuda.of(torch.ones(2)), "all_reduce", "tensor", sync=False,
+                               awareness=NOT_AWARE)
     with pytest.raises(DevicePointerRefused, match="not known to be CUDA-aware"):
         cuda_mod.device_buffer(torch.ones(2), "send", "tensor", sync=False,
                                awareness=NOT_AWARE)

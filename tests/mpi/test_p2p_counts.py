@@ -264,17 +264,22 @@ def test_not_a_whole_number_of_elements(world, path):
 
 
 @pytest.mark.parametrize("op", ["recv", "irecv"])
-def test_staged_device_receive(world, op):
+def test_staged_device_receive(world, op, monkeypatch):
     """The GPU staging path receives into a host twin with recv/irecv, so it checks too (CPU
     tensors stand in for CUDA ones, as in test_gpu_staging.py). The CUDA-aware path, which
-    hands MPI the device pointer, does not check (hpcddp/collectives/_device.py). What reaches
-    the tensor differs: a blocking recv copies nothing back after the error, an irecv copies
-    back the whole host twin."""
-    from hpcddp.collectives import _device as D
+    hands MPI the device pointer, does not check (hpcddp/collectives/paths/device.py). What
+    reaches the tensor differs: a blocking recv copies nothing back after the error, an irecv
+    copies back the whole host twin."""
+    from hpcddp.collectives.paths import device as D
     from hpcddp.comm.cuda import CudaAwareness
     from hpcddp.collectives._gpu_staging import HostCopier, PinnedPool, Staging
-    ctx = D.DeviceCtx(path="staging", awareness=CudaAwareness(False, "test", "faked", "test"),
-                      staging=Staging(pool=PinnedPool(pin=False), copier=lambda t: HostCopier()))
+
+    class FakeCuda(torch.Tensor):       # host memory that says it is on cuda:0
+        is_cpu = property(lambda self: False)
+        device = property(lambda self: torch.device("cuda", 0))
+    monkeypatch.setattr(D.DEVICE, "awareness", CudaAwareness(False, "test", "faked", "test"))
+    monkeypatch.setattr(D.DEVICE, "staging", Staging(pool=PinnedPool(pin=False),
+                                                     copier=lambda t: HostCopier()))
     comm = hpcddp.world()
     peer, sends = _pair()
     tag = 17
@@ -284,9 +289,9 @@ def test_staged_device_receive(world, op):
     elif peer is not None:
         with pytest.raises(RuntimeError, match=_pattern("direct", op, peer, tag, 12, 16)):
             if op == "recv":
-                D.recv(t, peer, comm, tag, ctx)
+                hpcddp.recv(t.as_subclass(FakeCuda), peer, comm, tag)
             else:
-                D.irecv(t, peer, comm, tag, ctx).wait()
+                hpcddp.irecv(t.as_subclass(FakeCuda), peer, comm, tag).wait()
     dist.barrier()
 
 

@@ -32,8 +32,11 @@ METHOD = {"send/recv/isend/irecv": "isend"}
 @pytest.mark.parametrize("op", sorted(ROUTES))
 def test_every_op_runs_its_table_rows_in_order(op):
     module, name = ROUTES[op]
-    aware, on_aware, staged, floor, last, rows, queued, memo_key = getattr(
+    aware, on_aware, staged, floor, last, rows, queued, memo_key, on_device = getattr(
         importlib.import_module(f"hpcddp.collectives.{module}"), name)
+    # a device call the CUDA-aware row takes: take's steps with that row alone, never planned
+    assert on_device == (aware, on_aware, staged, 1 << 62, (on_aware, None), (), queued,
+                         memo_key, None)
     method = METHOD.get(op, op)
     assert memo_key == method   # the plan memo files calls under it
     # collectives may be queued on the async engine; point-to-point ops never are
@@ -82,7 +85,8 @@ def test_every_path_has_a_method_for_every_op_it_claims():
         for name in via.OPS:
             assert callable(getattr(via, name, None)), (type(via).__name__, name)
     assert {type(v).__name__ for v in seen} == {"MPIPath", "ArenaPath", "CmaPath", "HierPath",
-                                                "RingPath", "ListsPath", "DevicePath"}
+                                                "RingPath", "ListsPath", "CudaAwarePath",
+                                                "StagedPath"}
 
 
 class _Fake:
@@ -95,7 +99,7 @@ class _Fake:
     def state(self, comm, op):
         return "open"
 
-    def fake(self, c):
+    def fake(self, c, route=None):     # the host staging row is also handed take's route
         return self.name
 
 
@@ -114,7 +118,8 @@ def _fake_table(monkeypatch, asked):
             asked.append(name)
             return answer
         return f
-    device = {p: _Fake(f"device {p.via.via}") for p in paths.DEVICE}
+    device = {p: _Fake("device direct" if p is paths.CUDA_AWARE else "device staging")
+              for p in paths.DEVICE}
     device[paths.CUDA_AWARE].applies = paths.CUDA_AWARE.applies
     monkeypatch.setattr(paths, "DEVICE", tuple(Path(p.name, p.when, device[p])
                                                for p in paths.DEVICE))
@@ -156,19 +161,20 @@ def test_take_runs_the_first_row_that_applies_in_table_order(monkeypatch):
 def test_a_device_call_takes_the_cuda_aware_row_only_where_it_applies(monkeypatch):
     """CUDA-aware MPI for a known-aware MPI and an MPI-predefined reduce op; host staging for
     an unknown MPI or a user-defined op (bfloat16's), as hpcddp.comm.cuda.decide says."""
-    from hpcddp.collectives import _device
+    from hpcddp.collectives.paths import device
     from hpcddp.comm import cuda, ops
 
     r = _fake_table(monkeypatch, [])
     for aware, custom, row in ((True, False, "direct"), (None, False, "staging"),
                                (False, False, "staging"), (True, True, "staging")):
-        monkeypatch.setattr(_device._DEFAULT, "awareness",
+        monkeypatch.setattr(device.DEVICE, "awareness",
                             cuda.CudaAwareness(aware, "test", "faked", "x"))
         c = _call(0, device=True)
-        c.mop = object()
+        c.mop, c.name, c.shape, c.dtype, c.root, c.red = object(), "fake", (0,), None, None, None
+        c.memo = None
         monkeypatch.setattr(ops, "_custom", {"bf16 sum": c.mop} if custom else {})
         assert take(r, c) == f"device {row}", (aware, custom)
-    assert _device.cuda_aware is paths.PATHS["all_reduce"][1].applies
+    assert paths.PATHS["all_reduce"][1].via is device.CUDA_AWARE
 
 
 def test_the_point_to_point_plan_row_is_closed_without_the_c_module(monkeypatch):

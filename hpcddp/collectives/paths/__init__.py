@@ -175,12 +175,16 @@ def route(op: str, method: str | None = None) -> tuple:
     # each row's floor on a group (a node-local path's ``floor``: from which size it can serve
     # there, as far as the group's made and raced state says; take() keeps the group's rows)
     floors = [getattr(p.via, "floor", None) for p in host]
-    return (CUDA_AWARE.applies, getattr(CUDA_AWARE.via, name), getattr(STAGED.via, name),
-            floor, runs[-1],
+    collective = op not in POSTED
+    aware, direct, staged = CUDA_AWARE.applies, getattr(CUDA_AWARE.via, name), \
+        getattr(STAGED.via, name)
+    # a device call the CUDA-aware row takes runs take's steps with that row as its only one
+    on_device = (aware, direct, staged, _node.NEVER, (direct, None), (), collective, name, None)
+    return (aware, direct, staged, floor, runs[-1],
             tuple((p.min_bytes, p.applies and functools.partial(p.applies, op=op), run, plan,
                    f and functools.partial(f, op=op))
                   for p, (run, plan), f in zip(host, runs, floors)),
-            op not in POSTED, name)
+            collective, name, on_device)
 
 
 def table(comm) -> list[dict]:
