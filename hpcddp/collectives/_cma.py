@@ -38,7 +38,6 @@ import secrets
 
 import numpy as np
 
-from hpcddp import settings
 from hpcddp.collectives import _node
 from hpcddp.comm._mpi import MPI
 
@@ -46,8 +45,6 @@ from hpcddp.comm._mpi import MPI
 # Allreduce) is larger than what the split copy saves (docs/benchmarks.md, "Cross-memory attach")
 MIN_BYTES = _node.LADDER[0]
 LADDER = _node.LADDER_LARGE
-ENV_MODE = "HPCDDP_CMA"
-MODE = settings.get().cma
 ALIGN = 64           # parts start on cache lines: no line is written by two copies at once
 
 
@@ -96,7 +93,7 @@ def usable(comm, nbytes: int, made=None):
     collective's arguments agree across ranks). MADE: the group's Peers where its row
     already knows it serves from the row's size (made and raced: call.group_rows), else
     None (made and raced here, on the op's first call)."""
-    if MODE == "0" or comm.size < 2:
+    if _node.switch("cma") == "0" or comm.size < 2:
         return None
     if made is not None:
         return made
@@ -117,7 +114,8 @@ class Peers:
         self.mine = np.zeros(3, np.int64)                 # (address, bytes, call hash) of this rank
         self.table = np.zeros((comm.size, 3), np.int64)   # ... of every rank
         self.ok = np.ones(1, np.int32)
-        self.starts = _node.Starts("cma", comm, self._race_pair, MODE == "force", MIN_BYTES,
+        self.starts = _node.Starts("cma", comm, self._race_pair, _node.switch("cma") == "force",
+                                   MIN_BYTES,
                                    LADDER)
 
     @classmethod

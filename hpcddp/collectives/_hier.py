@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpcddp import settings
 from hpcddp.collectives import _node, _ring
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import free_mpi
@@ -50,7 +49,6 @@ LADDER = tuple(n for n in _node.LADDER if n <= 8 << 20)
 # the ops of the table served here -> the op its race measures
 RACED = {"all_reduce": "all_reduce", "broadcast": "broadcast",
          "reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather"}
-MODE = settings.get().hier
 
 
 
@@ -60,7 +58,7 @@ def usable(comm, nbytes: int, op: str = "all_reduce", made=None):
     every rank of COMM). MADE: the group's Hier where its row already knows it serves from
     the row's size (made and raced: call.group_rows), else None (made and raced here, on the
     op's first call)."""
-    if MODE == "0" or comm.size < 4:
+    if _node.switch("hier") == "0" or comm.size < 4:
         return None
     if made is not None:
         return made
@@ -88,14 +86,15 @@ class Hier:
         self.node = node          # mpi4py: the group's ranks on my node (rank: local index)
         self.cross = cross        # mpi4py: my counterparts on every node (rank: node index)
         # the ring's private duplicate of cross (its messages never meet cross's collectives)
-        self.cross_ring = _ring.connect(cross.Dup()) if _ring.MODE != "0" else None
+        self.cross_ring = _ring.connect(cross.Dup()) if _node.switch("ring") != "0" else None
         self.where = where        # group rank -> (node index, local index)
         self.scratch = _node.Scratch()
         n_nodes = cross.Get_size()
         # blocks in (local index, node index) order -> rank order, and back
         self.to_ranks = np.array([l * n_nodes + k for k, l in where])
         self.from_ranks = np.argsort(self.to_ranks)
-        self.starts = _node.Starts("hier", comm, self._race_pair, MODE == "force", MIN_BYTES,
+        self.starts = _node.Starts("hier", comm, self._race_pair, _node.switch("hier") == "force",
+                                   MIN_BYTES,
                                    LADDER)
 
     @classmethod

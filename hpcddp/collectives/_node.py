@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from hpcddp import settings
 from hpcddp.comm import links
 from hpcddp.comm._mpi import MPI
 
@@ -207,14 +208,27 @@ class Starts:
         return found.start
 
 
-def path_state(module, variable: str, opened, unopened: str, raced: dict | None = None):
-    """``hpcddp info``'s state of a node-local path for an op: its switch (MODULE.MODE, read
-    from VARIABLE at import: the value the path's own usable() tests), then whether
-    OPENED(comm) set it up for the group (closed: UNOPENED), then from which size it serves
-    the op (RACED: the table's ops -> the op its start-up race measures; the race runs here
-    if the op has not had it)."""
+# each node-local path's switch: its variable (docs/settings.md) and its field in this
+# process's settings, the one snapshot every path reads where it decides (hpcddp.settings.get;
+# hpcddp.init's arguments may replace it), never a copy of its own
+SWITCHES = {"shm arena": ("HPCDDP_SHM_ALLREDUCE", "shm_allreduce"), "cma": ("HPCDDP_CMA", "cma"),
+            "hier": ("HPCDDP_HIER", "hier"), "ring": ("HPCDDP_RING", "ring")}
+
+
+def switch(path: str) -> str:
+    """PATH's switch now: "0" (off), "auto" (raced against MPI) or "force" (no race)."""
+    return getattr(settings.get(), SWITCHES[path][1])
+
+
+def path_state(name: str, opened, unopened: str, raced: dict | None = None):
+    """``hpcddp info``'s state of node-local path NAME (a key of SWITCHES) for an op: its switch
+    (the value the path's own usable() tests), then whether OPENED(comm) set it up for the
+    group (closed: UNOPENED), then from which size it serves the op (RACED: the table's ops ->
+    the op its start-up race measures; the race runs here if the op has not had it)."""
+    variable = SWITCHES[name][0]
+
     def state(comm, op) -> str:
-        if module.MODE == "0":
+        if switch(name) == "0":
             return f"closed ({variable}=0)"
         if comm.size < 2:
             return "closed (one rank)"

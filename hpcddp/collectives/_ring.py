@@ -41,8 +41,6 @@ LADDER = tuple(n for n in _node.LADDER if MIN_BYTES <= n <= 8 << 20)
 CHUNK = 1 << 20
 # over TCP links a received chunk is added once this much of it has landed
 ADD_CHUNK = 256 << 10
-MODE = settings.get().ring
-TRANSPORT = settings.get().ring_transport
 ADDABLE = frozenset(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
 _TAG_RS, _TAG_AG = 1, 2
 # the ops of the table served here -> the op its start-up race measures
@@ -64,7 +62,7 @@ def usable(comm, nbytes: int, op: str, made=None):
     collectively on first use). MADE: the group's Ring where its row already knows it serves
     from the row's size (made and raced: call.group_rows), else None (made and raced here, on
     the op's first call)."""
-    if MODE == "0" or comm.size < 2:
+    if _node.switch("ring") == "0" or comm.size < 2:
         return None
     if made is not None:
         return made
@@ -84,7 +82,8 @@ class Ring:
         self.scratch = _node.Scratch()
         # over TCP links a tie with MPI goes to the ring: its wait leaves the core to the caller
         win = _node.TIE if isinstance(via, links.Links) else _node.WIN
-        self.starts = _node.Starts("ring", comm, self._race_pair, MODE == "force", MIN_BYTES,
+        self.starts = _node.Starts("ring", comm, self._race_pair, _node.switch("ring") == "force",
+                                   MIN_BYTES,
                                    LADDER, win)
 
     def _race_pair(self, op: str, nbytes: int):
@@ -105,7 +104,7 @@ class Ring:
     def make(cls, comm):
         from hpcddp.comm import startup
         nodes = comm.mpi.allgather(startup.get_topology().node)
-        if MODE != "force" and len(set(nodes)) < 2:
+        if _node.switch("ring") != "force" and len(set(nodes)) < 2:
             return None
         return cls(comm, connect(comm.mpi.Dup()))
 
@@ -129,7 +128,8 @@ def connect(private):
     """What a ring over PRIVATE (a duplicate of the group's communicator, collective) sends
     on: TCP links between neighbours (HPCDDP_RING_TRANSPORT=tcp, where every rank made its
     links), else PRIVATE itself (MPI's point-to-point)."""
-    if private.allreduce(int(TRANSPORT == "tcp"), op=MPI.MIN):   # every rank, or none
+    tcp = settings.get().ring_transport == "tcp"
+    if private.allreduce(int(tcp), op=MPI.MIN):   # every rank, or none
         made = links.Links.make(private)
         if made is not None:
             return made

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hpcddp import settings
 import hpcddp
 from hpcddp.comm import startup as _rt
 from hpcddp.collectives import _cma
@@ -33,9 +34,10 @@ def world():
 @pytest.fixture(params=["arena", "mpi"])
 def path(request, monkeypatch):
     if request.param == "mpi":
-        monkeypatch.setattr(_arena, "MODE", "0")      # HPCDDP_SHM_ALLREDUCE=0
+        # HPCDDP_SHM_ALLREDUCE=0
+        monkeypatch.setattr(settings, "_current", settings.get().replace(shm_allreduce="0"))
     else:   # HPCDDP_SHM_ALLREDUCE=force, a fresh arena (the start-up race may pick MPI)
-        monkeypatch.setattr(_arena, "MODE", "force")
+        monkeypatch.setattr(settings, "_current", settings.get().replace(shm_allreduce="force"))
         monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     return request.param
 
@@ -108,7 +110,7 @@ def test_arena_agrees_below_the_agreement_size(world, op, differs, monkeypatch):
     2 MiB - 4000 B, int32 against float32, AVG against SUM; and PREMUL_SUM on the other
     ranks against SUM: take scales a PREMUL_SUM's input before the path runs (in place for
     all_reduce), so a refusal must hand the caller back the tensor it passed."""
-    monkeypatch.setattr(_arena, "MODE", "force")
+    monkeypatch.setattr(settings, "_current", settings.get().replace(shm_allreduce="force"))
     monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     n, c = dist.get_world_size(), (2 << 20) // 4
     dtype, red = torch.float32, dist.ReduceOp.SUM
@@ -141,7 +143,7 @@ def test_cma_broadcast_agrees_below_the_agreement_size(world, differs, monkeypat
     """From 1 MiB a broadcast on one node copies by cross-memory attach, whose address
     exchange carries the call's hash: a different root would have had ranks write into each
     other's tensors."""
-    monkeypatch.setattr(_cma, "MODE", "force")
+    monkeypatch.setattr(settings, "_current", settings.get().replace(cma="force"))
     monkeypatch.delitem(_rt.world()._attached, "cma", raising=False)   # fresh peers
     c, dtype, src = (2 << 20) // 4, torch.float32, 0
     if odd():

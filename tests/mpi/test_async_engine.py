@@ -19,8 +19,8 @@ import torch.distributed as dist
 import test_collectives as M  # noqa: E402  (tests/mpi is on sys.path)
 from test_async import *  # noqa: F401,F403  (their tests, run here with the engine on)
 from test_ddp import *  # noqa: F401,F403
+from hpcddp import settings
 from hpcddp.collectives import engine
-from hpcddp.collectives.paths import arena as _arena
 from hpcddp.comm import startup as _rt
 from hpcddp.diagnostics.mismatch import AGREE_BYTES, CollectiveMismatchError
 
@@ -123,7 +123,7 @@ def test_a_refused_premul_sum_in_flight_leaves_the_tensor_as_passed(world, monke
     runs; rank 1 passes SUM instead, the arena's agreement (2 MiB, below the size take agrees
     on first) refuses the call on the engine's thread: every rank's Work raises and every
     rank's tensor is as it passed it, not multiplied by the factor."""
-    monkeypatch.setattr(_arena, "MODE", "force")
+    monkeypatch.setattr(settings, "_current", settings.get().replace(shm_allreduce="force"))
     monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     n, r = dist.get_world_size(), dist.get_rank()
     op = dist.ReduceOp.SUM if r == 1 else dist._make_nccl_premul_sum(3.0)

@@ -13,13 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hpcddp import settings
 import hpcddp
 from hpcddp.collectives import _cma
 
 MPI_TIMEOUT = 300
 # The path only where it is faster than MPI (a race); these tests are about its results, and
 # 3-4 ranks oversubscribed on 2 cores may lose the race, so take it wherever possible.
-_cma.MODE = "force"
+settings._current = settings.get().replace(cma="force")
 pytestmark = pytest.mark.filterwarnings("ignore:.*(is|will be) deprecated:FutureWarning")
 
 
@@ -162,7 +163,7 @@ def test_a_wrong_process_fails_the_token_check(world, monkeypatch):
 def test_race_decides_the_same_everywhere(world, monkeypatch):
     """Without "force" a new group races MPI's Bcast; whatever wins, every rank agrees and the
     result is right."""
-    monkeypatch.setattr(_cma, "MODE", "auto")
+    monkeypatch.setattr(settings, "_current", settings.get().replace(cma="auto"))
     comm = hpcddp.Communicator(world.mpi.Dup(), "cma-race")
     chose = comm.mpi.allgather(_cma.peers(comm) is not None)
     assert len(set(chose)) == 1, f"ranks chose differently: {chose}"
@@ -170,5 +171,5 @@ def test_race_decides_the_same_everywhere(world, monkeypatch):
 
 
 def test_switched_off(world, monkeypatch):
-    monkeypatch.setattr(_cma, "MODE", "0")
+    monkeypatch.setattr(settings, "_current", settings.get().replace(cma="0"))
     assert not _cma.usable(world, 64 * _cma.MIN_BYTES)

@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 
 import hpcddp
-from hpcddp import collectives as C
-from hpcddp.collectives import _cma, _hier, paths
-from hpcddp.collectives.paths import arena as _arena
+from hpcddp import collectives as C, settings
+from hpcddp.collectives import _hier, paths
 from hpcddp.diagnostics.mismatch import CollectiveMismatchError
 
 MPI_SIZES = (2, 3, 4)
@@ -24,9 +23,8 @@ MPI_ENV = {"HPCDDP_RANKS_PER_NODE": "2"}    # read by init: nodes of 2 ranks
 
 @pytest.fixture(autouse=True)
 def forced(monkeypatch):
-    monkeypatch.setattr(_arena, "MODE", "0")
-    monkeypatch.setattr(_cma, "MODE", "0")
-    monkeypatch.setattr(_hier, "MODE", "force")
+    monkeypatch.setattr(settings, "_current", settings.get().replace(
+        shm_allreduce="0", cma="0", hier="force"))
     monkeypatch.delitem(hpcddp.world()._attached, "hier", raising=False)   # made afresh
 
 

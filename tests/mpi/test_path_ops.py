@@ -14,10 +14,10 @@ import importlib
 import pytest
 import torch
 
+from hpcddp import settings
 import hpcddp
 from hpcddp import collectives as C
-from hpcddp.collectives import _cma, _hier, _ring, paths
-from hpcddp.collectives.paths import arena as _arena
+from hpcddp.collectives import paths
 
 MPI_SIZES = (2, 3, 4)
 MPI_ENV = {"HPCDDP_RANKS_PER_NODE": "2"}    # read by init: nodes of 2 ranks
@@ -54,8 +54,8 @@ def world():
 def forced(monkeypatch):
     """Every switch forced (no race: the path applies wherever the layout allows it), each
     test with the world's node-local state made afresh."""
-    for module in (_arena, _cma, _hier, _ring):
-        monkeypatch.setattr(module, "MODE", "force")
+    monkeypatch.setattr(settings, "_current", settings.get().replace(
+        shm_allreduce="force", cma="force", hier="force", ring="force"))
     for key in ("shm", "cma", "hier", "ring"):
         monkeypatch.delitem(hpcddp.world()._attached, key, raising=False)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hpcddp import settings
 import hpcddp
 from hpcddp.comm import startup as _rt
 from hpcddp import collectives as C
@@ -38,7 +39,7 @@ def _state(world, op, path):
 
 @pytest.mark.parametrize("mode", ["force", "0"])
 def test_arena_row_is_the_path_all_reduce_takes(world, mode, monkeypatch):
-    monkeypatch.setattr(_arena, "MODE", mode)
+    monkeypatch.setattr(settings, "_current", settings.get().replace(shm_allreduce=mode))
     monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     state = _state(world, "all_reduce", "shm arena")
     calls = _spy(monkeypatch, _arena.Arena, "all_reduce")
@@ -55,7 +56,7 @@ def test_arena_row_is_the_path_all_reduce_takes(world, mode, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["force", "0"])
 def test_cma_row_is_the_path_broadcast_takes(world, mode, monkeypatch):
-    monkeypatch.setattr(_cma, "MODE", mode)
+    monkeypatch.setattr(settings, "_current", settings.get().replace(cma=mode))
     monkeypatch.delitem(_rt.world()._attached, "cma", raising=False)   # fresh peers
     state = _state(world, "broadcast", "CMA")
     calls = _spy(monkeypatch, _cma.Peers, "broadcast")
@@ -107,7 +108,7 @@ def test_a_path_serves_each_op_from_the_size_its_race_found(world, monkeypatch):
     """The arena loses all_reduce below 2 MiB on rank 0 only: the slowest rank's time decides,
     so every rank hands those sizes to MPI; it wins reduce_scatter from the first size raced.
     Every rank takes the same path for the same call, and each op is raced once."""
-    monkeypatch.setattr(_arena, "MODE", "auto")
+    monkeypatch.setattr(settings, "_current", settings.get().replace(shm_allreduce="auto"))
     monkeypatch.delitem(_rt.world()._attached, "shm", raising=False)   # a fresh arena
     slow_below = 2 << 20
 
@@ -150,7 +151,7 @@ def test_a_path_serves_each_op_from_the_size_its_race_found(world, monkeypatch):
 
 
 def test_a_path_that_loses_at_every_size_is_closed_and_says_why(world, monkeypatch):
-    monkeypatch.setattr(_cma, "MODE", "auto")
+    monkeypatch.setattr(settings, "_current", settings.get().replace(cma="auto"))
     monkeypatch.delitem(_rt.world()._attached, "cma", raising=False)   # fresh peers
     raced = _forced_race(monkeypatch, _cma.Peers, lambda op, nbytes, rank: (2e-3, 1e-3))
     calls = _spy(monkeypatch, _cma.Peers, "broadcast")

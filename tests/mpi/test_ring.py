@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hpcddp import settings
 import hpcddp
 from hpcddp.collectives import _ring, paths
 from hpcddp.comm import links
@@ -262,7 +263,8 @@ def test_ranks_that_differ_on_the_transport_all_stay_on_mpi(world, monkeypatch):
     """HPCDDP_RING_TRANSPORT read differently on one rank: every rank agrees on MPI's
     point-to-point (no rank left waiting in the links' set-up), and the sum is right."""
     n, r = world
-    monkeypatch.setattr(_ring, "TRANSPORT", "mpi" if r == n - 1 else "tcp")
+    monkeypatch.setattr(settings, "_current", settings.get().replace(
+        ring_transport="mpi" if r == n - 1 else "tcp"))
     private = hpcddp.world().mpi.Dup()
     via = _ring.connect(private)
     assert via is private

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hpcddp import settings
 import hpcddp
 from hpcddp.collectives.paths import arena as _arena
 from hpcddp.comm._mpi import MPI
@@ -19,7 +20,7 @@ from hpcddp.comm._mpi import MPI
 MPI_TIMEOUT = 300
 # The arena only where it is faster than MPI (a probe); these tests are about its results, and
 # 3-4 ranks oversubscribed on 2 cores would lose the race, so take it wherever possible.
-_arena.MODE = "force"
+settings._current = settings.get().replace(shm_allreduce="force")
 R = dist.ReduceOp
 pytestmark = pytest.mark.filterwarnings("ignore:.*(is|will be) deprecated:FutureWarning")
 
@@ -200,7 +201,7 @@ def test_arena_file_is_gone(world):
 def test_probe_decides_the_same_everywhere(world, monkeypatch):
     """Without "force" a new arena races MPI; whatever wins, every rank agrees and the result
     is right."""
-    monkeypatch.setattr(_arena, "MODE", "auto")
+    monkeypatch.setattr(settings, "_current", settings.get().replace(shm_allreduce="auto"))
     comm = hpcddp.Communicator(world.mpi.Dup(), "shm-probe")
     a = _arena.arena(comm)
     chose = comm.mpi.allgather(a is not None)

@@ -45,11 +45,9 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-import sys
 
 import torch
 
-from hpcddp import settings
 from hpcddp.collectives import _node
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.ops import RedOpType
@@ -62,8 +60,6 @@ ARENA_MAX = 32 << 20      # the whole arena, n x row, whatever the ranks per nod
 SHM_DIR = "/dev/shm"
 KINDS = (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
 
-ENV_MODE = "HPCDDP_SHM_ALLREDUCE"
-MODE = settings.get().shm_allreduce
 
 
 # the ops of the table served by the arena -> the op its race measures
@@ -77,7 +73,8 @@ def usable(comm, nbytes: int, dtype, kind, op: str = "all_reduce", made=None):
     (the same answer on every rank of COMM: the arguments of a collective agree). MADE: the
     group's arena where its row already knows it serves from the row's size (made and raced:
     call.group_rows), else None (made and raced here, on the op's first call)."""
-    if MODE == "0" or comm.size < 2 or kind not in KINDS or dtype is torch.bool:
+    if _node.switch("shm arena") == "0" or comm.size < 2 or kind not in KINDS \
+            or dtype is torch.bool:
         return None
     if made is not None:
         return made
@@ -105,7 +102,8 @@ class Arena:
         n = comm.size
         words = memoryview(mem)[n * n * slot:].cast("q")     # int64s: plain Python indexing
         self.calls = words[::CALL_LINE // 8]
-        self.starts = _node.Starts("shm arena", comm, self._race_pair, MODE == "force", MIN_BYTES,
+        self.starts = _node.Starts("shm arena", comm, self._race_pair,
+                                   _node.switch("shm arena") == "force", MIN_BYTES,
                                    _node.LADDER_LARGE)
         self.checks: dict = {}                # (op, shape, dtype, reduce op) -> its CallHash
 
@@ -275,7 +273,7 @@ class ArenaPath:
     name = "shm arena"
     min_bytes = MIN_BYTES
     OPS = frozenset({"all_reduce", "reduce_scatter_tensor", "reduce_scatter"})
-    state = staticmethod(_node.path_state(sys.modules[__name__], ENV_MODE, lambda g: arena(g),
+    state = staticmethod(_node.path_state("shm arena", lambda g: arena(g),
                                           "ranks on several nodes, or no room in /dev/shm",
                                           RACED))
 

@@ -11,7 +11,7 @@ class CmaPath:
     name = "CMA"
     min_bytes = _cma.MIN_BYTES
     OPS = frozenset({"broadcast"})
-    state = staticmethod(_node.path_state(_cma, "HPCDDP_CMA", lambda g: _cma.peers(g),
+    state = staticmethod(_node.path_state("cma", lambda g: _cma.peers(g),
                                           "ranks on several nodes, or the kernel refuses",
                                           {"broadcast": "broadcast"}))
 

@@ -12,7 +12,7 @@ class HierPath:
     OPS = frozenset({"all_reduce", "reduce_scatter_tensor", "broadcast",
                      "all_gather_into_tensor"})
     state = staticmethod(_node.path_state(
-        _hier, "HPCDDP_HIER", lambda g: _hier.hier(g),
+        "hier", lambda g: _hier.hier(g),
         "one node, or nodes with different numbers of the group's ranks", _hier.RACED))
 
     @staticmethod

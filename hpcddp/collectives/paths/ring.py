@@ -11,7 +11,7 @@ class RingPath:
     name = "ring"
     min_bytes = _ring.MIN_BYTES
     OPS = frozenset(_ring.RACED)
-    state = staticmethod(_node.path_state(_ring, "HPCDDP_RING", lambda g: _ring.ring(g),
+    state = staticmethod(_node.path_state("ring", lambda g: _ring.ring(g),
                                           "the group is on one node", _ring.RACED))
 
     @staticmethod
