@@ -209,8 +209,9 @@ class Starts:
 
 
 # each node-local path's switch: its variable (docs/settings.md) and its field in this
-# process's settings, the one snapshot every path reads where it decides (hpcddp.settings.get;
-# hpcddp.init's arguments may replace it), never a copy of its own
+# process's settings, the one snapshot every path reads where it decides (hpcddp.settings.get,
+# replaced as a whole where a setting changes: hpcddp.init(timeout=), tests), never a copy of
+# its own made at import
 SWITCHES = {"shm arena": ("HPCDDP_SHM_ALLREDUCE", "shm_allreduce"), "cma": ("HPCDDP_CMA", "cma"),
             "hier": ("HPCDDP_HIER", "hier"), "ring": ("HPCDDP_RING", "ring")}
 
