@@ -93,10 +93,12 @@ def usable(comm, nbytes: int, made=None):
     collective's arguments agree across ranks). MADE: the group's Peers where its row
     already knows it serves from the row's size (made and raced: call.group_rows), else
     None (made and raced here, on the op's first call)."""
-    if _node.switch("cma") == "0" or comm.size < 2:
+    if comm.size < 2:
         return None
-    if made is not None:
+    if made is not None:            # the group's rows leave the path out where switched off
         return made
+    if _node.switch("cma") == "0":
+        return None
     found = peers(comm)
     return found if _node.serves(found, "broadcast", nbytes) else None
 

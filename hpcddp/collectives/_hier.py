@@ -58,10 +58,12 @@ def usable(comm, nbytes: int, op: str = "all_reduce", made=None):
     every rank of COMM). MADE: the group's Hier where its row already knows it serves from
     the row's size (made and raced: call.group_rows), else None (made and raced here, on the
     op's first call)."""
-    if _node.switch("hier") == "0" or comm.size < 4:
+    if comm.size < 4:
         return None
-    if made is not None:
+    if made is not None:            # the group's rows leave the path out where switched off
         return made
+    if _node.switch("hier") == "0":
+        return None
     found = hier(comm)
     return found if _node.serves(found, RACED[op], nbytes) else None
 

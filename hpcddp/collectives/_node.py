@@ -157,10 +157,10 @@ def group_floor(comm, key: str, race_op: str, min_bytes: int, min_size: int = 2)
     """(from which size, the group's state) of the node-local path KEY (its state attached to
     COMM under KEY) for the op its race RACE_OP measures on COMM, from what the group has
     already made and raced (no message): the size is MIN_BYTES while it has not, NEVER where
-    it cannot serve (fewer than MIN_SIZE ranks, no state for the group, or MPI won the race
-    at every size); the state is the path's object for the group where it serves from that
+    it cannot serve (switched off, fewer than MIN_SIZE ranks, no state for the group, or MPI
+    won the race at every size); the state is the path's object for the group where it serves from that
     size (made and raced, or forced), else None (the path's applies() makes and races it)."""
-    if comm.size < min_size:
+    if comm.size < min_size or switch(key) == "0":
         return NEVER, None
     made = comm._attached.get(key, _UNMADE)
     if made is _UNMADE:
@@ -212,17 +212,22 @@ class Starts:
 # process's settings, the one snapshot every path reads where it decides (hpcddp.settings.get,
 # replaced as a whole where a setting changes: hpcddp.init(timeout=), tests), never a copy of
 # its own made at import
-SWITCHES = {"shm arena": ("HPCDDP_SHM_ALLREDUCE", "shm_allreduce"), "cma": ("HPCDDP_CMA", "cma"),
+# (keyed as the path's state is attached to a group). A group's rows (call.group_rows) leave
+# out a path switched off and are made again when the snapshot is replaced, so a call that
+# finds its path made in its rows need not read the switch again.
+SWITCHES = {"shm": ("HPCDDP_SHM_ALLREDUCE", "shm_allreduce"), "cma": ("HPCDDP_CMA", "cma"),
             "hier": ("HPCDDP_HIER", "hier"), "ring": ("HPCDDP_RING", "ring")}
 
 
-def switch(path: str) -> str:
-    """PATH's switch now: "0" (off), "auto" (raced against MPI) or "force" (no race)."""
-    return getattr(settings.get(), SWITCHES[path][1])
+def switch(key: str) -> str:
+    """The switch of the path attached under KEY, now: "0" (off), "auto" (raced against MPI)
+    or "force" (no race)."""
+    return getattr(settings.get(), SWITCHES[key][1])
 
 
 def path_state(name: str, opened, unopened: str, raced: dict | None = None):
-    """``hpcddp info``'s state of node-local path NAME (a key of SWITCHES) for an op: its switch
+    """``hpcddp info``'s state of the node-local path attached under NAME (a key of SWITCHES)
+    for an op: its switch
     (the value the path's own usable() tests), then whether OPENED(comm) set it up for the
     group (closed: UNOPENED), then from which size it serves the op (RACED: the table's ops ->
     the op its start-up race measures; the race runs here if the op has not had it)."""

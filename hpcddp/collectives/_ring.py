@@ -62,10 +62,12 @@ def usable(comm, nbytes: int, op: str, made=None):
     collectively on first use). MADE: the group's Ring where its row already knows it serves
     from the row's size (made and raced: call.group_rows), else None (made and raced here, on
     the op's first call)."""
-    if _node.switch("ring") == "0" or comm.size < 2:
+    if comm.size < 2:
         return None
-    if made is not None:
+    if made is not None:            # the group's rows leave the path out where switched off
         return made
+    if _node.switch("ring") == "0":
+        return None
     found = ring(comm)
     return found if _node.serves(found, RACED[op], nbytes) else None
 

@@ -42,6 +42,7 @@ from operator import is_ as _is
 
 import torch
 
+from hpcddp import settings as _settings
 from hpcddp.collectives import engine as _engine
 from hpcddp.collectives._node import NEVER
 from hpcddp.collectives.work import CompletedWork
@@ -362,15 +363,17 @@ def run_host(route: tuple, call: Call):
 
 def group_rows(route: tuple, comm: Communicator) -> tuple:
     """ROUTE's host rows as they stand on COMM: (ROUTE, the smallest start of a middle row,
-    the rows), each row with its floor on the group as its size and, last, the path's state
+    the rows, the settings snapshot they were made under), each row with its floor on the
+    group as its size and, last, the path's state
     for the group where made and raced (what its applies() then need not look up; None
     elsewhere), the node-local paths that can never serve it left out
-    (hpcddp.collectives._node.group_floor). Kept in
+    (hpcddp.collectives._node.group_floor; also those switched off). Kept in
     ``comm.rows`` under the op's name (a string: its hash is cached) until the group's
-    attached state changes (a path made, closed or raced); one lookup, as a race on another
-    thread may forget them meanwhile."""
+    attached state changes (a path made, closed or raced) or the settings snapshot is
+    replaced (a switch may have changed: an attribute compared, no call); one lookup, as a
+    race on another thread may forget them meanwhile."""
     got = comm.rows.get(route[7])
-    if got is not None and got[0] is route:
+    if got is not None and got[0] is route and got[3] is _settings._current:
         return got
     state = comm._attached
     rows = []
@@ -379,7 +382,7 @@ def group_rows(route: tuple, comm: Communicator) -> tuple:
         if at < NEVER:
             rows.append((at, *row[1:4], made))
     floor = min((row[0] for row in rows[:-1]), default=NEVER)
-    got = (route, floor, tuple(rows))
+    got = (route, floor, tuple(rows), _settings._current)
     if comm._attached is state:     # not released meanwhile (by another thread): keep them
         comm.rows[route[7]] = got
     return got

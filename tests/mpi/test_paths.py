@@ -142,7 +142,7 @@ def test_a_path_serves_each_op_from_the_size_its_race_found(world, monkeypatch):
     # MPI with a compare (take() asks no path below it)
     from hpcddp.collectives.call import group_rows
     from hpcddp.collectives.reduce import _ALL_REDUCE    # the module's, not the op's
-    _, floor, rows = group_rows(_ALL_REDUCE, world)
+    _, floor, rows, _ = group_rows(_ALL_REDUCE, world)
     assert [row[0] for row in rows if row[2] is paths.ARENA.all_reduce] == [slow_below]
     asked = _spy(monkeypatch, _arena, "usable")             # what the arena's applies asks
     C.all_reduce(torch.ones((1 << 20) // 4))

@@ -213,7 +213,7 @@ def test_each_group_keeps_the_rows_that_can_serve_it():
              paths.RING.all_reduce: "ring", paths.MPI_PATH.all_reduce: "mpi"}
 
     def rows(comm):
-        _, floor, got = group_rows(r, comm)
+        _, floor, got, _ = group_rows(r, comm)
         return floor, [(names[row[2]], row[0]) for row in got]
     arena_min, ring_min = paths.ARENA.min_bytes, paths.RING.min_bytes
     # nothing made yet: each from its own floor (the first call there makes and races it);
@@ -229,6 +229,22 @@ def test_each_group_keeps_the_rows_that_can_serve_it():
                        ring=_Made(all_reduce=None))) == (arena_min, [("hier", arena_min),
                                                                      ("mpi", 0)])
     assert rows(_Group(2, shm=None, ring=None)) == (NEVER, [("mpi", 0)])
+
+
+def test_a_switch_turned_off_leaves_its_path_out_of_the_rows(monkeypatch):
+    """A node-local path switched off (HPCDDP_SHM_ALLREDUCE=0, ...) is not among a group's
+    rows, even where made and raced for the group; the rows a group keeps are made again
+    when the settings snapshot is replaced (the switches are read from it, never copied)."""
+    from hpcddp import settings
+    from hpcddp.collectives.call import group_rows
+    r = route("all_reduce")
+    group = _Group(2, shm=_Made(all_reduce=2 << 20), ring=None)
+    kept = group_rows(r, group)
+    assert kept[2][0][2] == paths.ARENA.all_reduce and group_rows(r, group) is kept
+    monkeypatch.setattr(settings, "_current", settings.get().replace(shm_allreduce="0"))
+    now = group_rows(r, group)
+    assert [row[2] for row in now[2]] == [paths.MPI_PATH.all_reduce]
+    assert now[3] is settings._current
 
 
 def test_a_group_reads_its_rows_again_when_its_state_changes():

@@ -73,11 +73,12 @@ def usable(comm, nbytes: int, dtype, kind, op: str = "all_reduce", made=None):
     (the same answer on every rank of COMM: the arguments of a collective agree). MADE: the
     group's arena where its row already knows it serves from the row's size (made and raced:
     call.group_rows), else None (made and raced here, on the op's first call)."""
-    if _node.switch("shm arena") == "0" or comm.size < 2 or kind not in KINDS \
-            or dtype is torch.bool:
+    if comm.size < 2 or kind not in KINDS or dtype is torch.bool:
         return None
-    if made is not None:
+    if made is not None:            # the group's rows leave the arena out where switched off
         return made
+    if _node.switch("shm") == "0":
+        return None
     found = arena(comm)
     return found if _node.serves(found, RACED[op], nbytes) else None
 
@@ -103,7 +104,7 @@ class Arena:
         words = memoryview(mem)[n * n * slot:].cast("q")     # int64s: plain Python indexing
         self.calls = words[::CALL_LINE // 8]
         self.starts = _node.Starts("shm arena", comm, self._race_pair,
-                                   _node.switch("shm arena") == "force", MIN_BYTES,
+                                   _node.switch("shm") == "force", MIN_BYTES,
                                    _node.LADDER_LARGE)
         self.checks: dict = {}                # (op, shape, dtype, reduce op) -> its CallHash
 
@@ -273,7 +274,7 @@ class ArenaPath:
     name = "shm arena"
     min_bytes = MIN_BYTES
     OPS = frozenset({"all_reduce", "reduce_scatter_tensor", "reduce_scatter"})
-    state = staticmethod(_node.path_state("shm arena", lambda g: arena(g),
+    state = staticmethod(_node.path_state("shm", lambda g: arena(g),
                                           "ranks on several nodes, or no room in /dev/shm",
                                           RACED))
 
