@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import hpcddp
 from hpcddp import collectives as C
-from hpcddp.collectives.paths import device as D
+from test_gpu_staging import Via   # the public ops under the device paths' settings
 from hpcddp.comm import cuda as cuda_mod
 from hpcddp.comm.cuda import CudaAwareness
 from hpcddp.collectives._gpu_staging import PinnedPool, Staging
@@ -55,39 +55,23 @@ def wait(w):
         w.wait()
 
 
-class Via:
-    """hpcddp's op of each name, run with the device paths' settings (paths.device.DEVICE) set
-    to AWARENESS and STAGING (None: the process's own)."""
-
-    def __init__(self, awareness=None, staging=None):
-        self.awareness, self.staging = awareness, staging
-
-    def __getattr__(self, op):
-        fn = getattr(C, op)
-
-        def run(*args):
-            saved = D.DEVICE.awareness, D.DEVICE.staging
-            D.DEVICE.awareness, D.DEVICE.staging = self.awareness, self.staging
-            try:
-                return fn(*args)
-            finally:
-                D.DEVICE.awareness, D.DEVICE.staging = saved
-        return run
+def _as_is(x):
+    return x
 
 
 def staging_ctx() -> Via:
     # the MPI taken as not CUDA-aware, so every op stages; chunks of 4 KiB from 8 KiB: a
     # 100k-element tensor crosses ~50-100 chunks
     return Via(CudaAwareness(False, "test", "taken as not CUDA-aware", "test"),
-               Staging(pool=PinnedPool(), chunk_bytes=4096, pipeline_bytes=8192))
+               Staging(pool=PinnedPool(), chunk_bytes=4096, pipeline_bytes=8192), _as_is)
 
 
 def direct_ctx() -> Via:
-    return Via()                    # the test runs only where detection says CUDA-aware
+    return Via(wrap=_as_is)         # the test runs only where detection says CUDA-aware
 
 
 def default_ctx() -> Via:
-    return Via()
+    return Via(wrap=_as_is)
 
 
 def check_all_ops(comm, to_dev, ctx_factory, dtype) -> None:

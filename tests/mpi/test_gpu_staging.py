@@ -44,13 +44,13 @@ def comm():
     return hpcddp.init().world
 
 
-def ctx(path: str, log: list | None = None, aware=None) -> "Dev":
+def ctx(path: str, log: list | None = None, aware=None) -> "Via":
     """The public ops on CPU tensors posing as CUDA tensors, the device paths set to PATH."""
     staging = Staging(pool=POOL, copier=lambda t: HostCopier(log), chunk_bytes=CHUNK,
                       pipeline_bytes=PIPELINE)
     if aware is None:
         aware = AWARE if path == "direct" else NOT_AWARE
-    return Dev(aware, staging)
+    return Via(aware, staging)
 
 
 def _fake(x):
@@ -61,21 +61,23 @@ def _fake(x):
     return x
 
 
-class Dev:
-    """hpcddp's op of each name, its tensors posing as CUDA tensors (FakeCuda views of the
-    same memory), run with the device paths' settings AWARE and STAGING."""
+class Via:
+    """hpcddp's op of each name, run with the device paths' settings (paths.device.DEVICE) set
+    to AWARENESS and STAGING (None: the process's own), each argument first passed through
+    WRAP (here: tensors become FakeCuda views of the same memory; test_gpu_cuda.py's real
+    CUDA tensors go as they are)."""
 
-    def __init__(self, aware, staging):
-        self.aware, self.staging = aware, staging
+    def __init__(self, awareness=None, staging=None, wrap=_fake):
+        self.awareness, self.staging, self.wrap = awareness, staging, wrap
 
     def __getattr__(self, op):
         fn = getattr(C, op)
 
         def run(*args):
             saved = D.DEVICE.awareness, D.DEVICE.staging
-            D.DEVICE.awareness, D.DEVICE.staging = self.aware, self.staging
+            D.DEVICE.awareness, D.DEVICE.staging = self.awareness, self.staging
             try:
-                return fn(*map(_fake, args))
+                return fn(*map(self.wrap, args))
             finally:
                 D.DEVICE.awareness, D.DEVICE.staging = saved
         return run
