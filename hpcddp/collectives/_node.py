@@ -225,12 +225,13 @@ def switch(key: str) -> str:
     return getattr(settings.get(), SWITCHES[key][1])
 
 
-def path_state(name: str, opened, unopened: str, raced: dict | None = None):
+def path_state(name: str, opened, unopened: str, raced: dict | None = None, how=None):
     """``hpcddp info``'s state of the node-local path attached under NAME (a key of SWITCHES)
     for an op: its switch
     (the value the path's own usable() tests), then whether OPENED(comm) set it up for the
     group (closed: UNOPENED), then from which size it serves the op (RACED: the table's ops ->
-    the op its start-up race measures; the race runs here if the op has not had it)."""
+    the op its start-up race measures; the race runs here if the op has not had it). HOW:
+    what the opened path says of how it runs (the ring: on which transport), if anything."""
     variable = SWITCHES[name][0]
 
     def state(comm, op) -> str:
@@ -241,15 +242,16 @@ def path_state(name: str, opened, unopened: str, raced: dict | None = None):
         path = opened(comm)
         if path is None:
             return f"closed ({unopened})"
+        on = f" {how(path)}" if how else ""
         if raced is None:
-            return "open"
+            return f"open{on}"
         starts = path.starts
         start = starts.start(raced[op])
         if starts.forced:
-            return f"open from {_mib(start)} ({variable}=force: no race)"
+            return f"open from {_mib(start)}{on} ({variable}=force: no race)"
         found = starts.found[raced[op]]
         if start is None:
             return (f"closed ({losing(found.win)} than MPI at any size raced, up to "
                     f"{_mib(found.steps[-1][0])}: {found.why()})")
-        return f"open from {_mib(start)} ({found.why()})"
+        return f"open from {_mib(start)}{on} ({found.why()})"
     return state

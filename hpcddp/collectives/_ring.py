@@ -88,6 +88,16 @@ class Ring:
                                    MIN_BYTES,
                                    LADDER, win)
 
+    @property
+    def transport(self) -> str:
+        """What the ring sends on, in words (hpcddp info)."""
+        if isinstance(self.via, links.Links):
+            return "on TCP links"
+        wanted = settings.get().ring_transport == "tcp"
+        return "on MPI point-to-point" + \
+            (" (TCP links could not be made on every rank)" if wanted else
+             " (HPCDDP_RING_TRANSPORT=mpi)")
+
     def _race_pair(self, op: str, nbytes: int):
         """The ring's OP and MPI's, as the MPI row calls it, on NBYTES of scratch float32
         (the start-up race)."""

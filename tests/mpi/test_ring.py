@@ -213,6 +213,20 @@ def test_the_ring_travels_on_tcp_links_with_the_same_bits_as_over_mpi(world):
     private.Free()
 
 
+def test_info_names_the_transport_the_ring_runs_on(world, monkeypatch):
+    """hpcddp info's ring row says which transport the group's ring took: its TCP links by
+    default; MPI's point-to-point, and why, on a group made under HPCDDP_RING_TRANSPORT=mpi."""
+    def ring_state(comm):
+        return [row["state"] for row in paths.table(comm)
+                if row["op"] == "all_reduce" and row["path"] == "ring"][0]
+    assert "on TCP links" in ring_state(hpcddp.world()), ring_state(hpcddp.world())
+    monkeypatch.setattr(settings, "_current", settings.get().replace(ring_transport="mpi"))
+    g = dist.new_group(list(range(world[0])))
+    state = ring_state(g.hpcddp_comm)
+    assert "on MPI point-to-point (HPCDDP_RING_TRANSPORT=mpi)" in state, state
+    dist.destroy_process_group(g)
+
+
 def test_a_stray_connection_is_not_taken_for_a_neighbour(world):
     """Links accept only a peer that shows the group's token and its own rank: a connection
     from elsewhere to the listening port is closed, and the ring is still made."""

@@ -101,7 +101,7 @@ ARENA_ROW = Path("shm arena", f"SUM/AVG/PREMUL_SUM, non-bool, {RACED}", ARENA)
 LISTS_ROW = Path("point-to-point", "the list form", LISTS)
 HIER_ROW = Path("hierarchical", f"several nodes, the same number of ranks on each, {RACED}",
                 HIER)
-_ON = "on TCP links (HPCDDP_RING_TRANSPORT=mpi: on MPI point-to-point)"
+_ON = "on TCP links of its own, or MPI point-to-point (HPCDDP_RING_TRANSPORT)"
 RING_ROW = Path("ring", f"SUM/AVG/PREMUL_SUM of float32/64, int32/64, several nodes, {_ON}, "
                         f"{RACED}", RING)
 RING_GATHER_ROW = Path("ring", f"several nodes, {_ON}, {RACED}", RING)

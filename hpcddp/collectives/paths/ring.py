@@ -12,7 +12,8 @@ class RingPath:
     min_bytes = _ring.MIN_BYTES
     OPS = frozenset(_ring.RACED)
     state = staticmethod(_node.path_state("ring", lambda g: _ring.ring(g),
-                                          "the group is on one node", _ring.RACED))
+                                          "the group is on one node", _ring.RACED,
+                                          how=lambda ring: ring.transport))
 
     @staticmethod
     def floor(comm, op: str) -> tuple:   # the group's row (call.group_rows)
