@@ -41,6 +41,7 @@ _members: list = []         # MPI_COMM_WORLD rank of each pool rank
 _free: list = []            # MPI_COMM_WORLD ranks of the free spares, in order
 _me = -1                    # this process's MPI_COMM_WORLD rank
 _node_index = 0             # its place among its node's processes, the ranks first
+step = ""                   # where this process is in a regroup (a stuck recovery names it)
 
 
 def node_index() -> int:
@@ -102,9 +103,11 @@ def call_spares(shrunk, missing: list, start_up_rank: int, message: dict):
     """Collective over SHRUNK (the survivors): free spares take the start-up ranks in MISSING.
     -> (world communicator, its start-up ranks, [(start-up rank, host)] of those taken), or
     None where no spare is free. Raises MPI.Exception when a process is lost meanwhile."""
+    global step
     if not _free:
         return None
     if shrunk.Get_rank() == 0:
+        step = "sending the free spares their order to join"
         for spare in _free:
             try:
                 _pool.send({"what": "join"}, dest=_members.index(spare), tag=ORDER_TAG)
@@ -152,9 +155,11 @@ def _regroup(start_up_rank, missing: list, message):
     -> (world, start-up ranks, this process's start-up rank, the join message: the leader's
     MESSAGE with "lost", "taken" [(start-up rank, host)] and "spare") for the new world's
     members, None for a spare left free."""
-    global _pool, _members, _free
+    global _pool, _members, _free, step
+    step = f"in MPI_Comm_shrink of the {_pool.Get_size()} processes of the pool"
     pool = _pool.Shrink()
     pool.Set_errhandler(MPI.ERRORS_RETURN)
+    step = f"in the allgather over the {pool.Get_size()} processes left in the pool"
     info = pool.allgather((_me, start_up_rank, missing, message, socket.gethostname()))
     _pool, _members = pool, [launch for launch, *_ in info]
     spares = [launch for launch, rank, *_ in info if rank is None and launch in _free]
@@ -163,7 +168,9 @@ def _regroup(start_up_rank, missing: list, message):
     chosen = dict(zip(spares, missing))             # spare's launch rank -> start-up rank
     _free = [s for s in spares if s not in chosen]
     mine = start_up_rank if start_up_rank is not None else chosen.get(_me)
+    step = "in MPI_Comm_split of the new world off the pool"
     world = pool.Split(MPI.UNDEFINED if mine is None else 0, mine or 0)
+    step = ""
     if mine is None:
         return None
     ranks = numbered_by_start_up_rank(world, mine)

@@ -504,7 +504,8 @@ class State:
         message = {"source": now[src], "hosts": self._hosts, "job_ranks": sorted(self._job_ranks),
                    "kill_log": _inject.kill_log_path(), "generation": self.generation + 1}
         if _started_with_spares():
-            with _stuck_after(SHRINK_LIMIT_S, "the regroup with the spare processes"):
+            with _stuck_after(SHRINK_LIMIT_S, lambda: "the regroup with the spare processes "
+                              f"({spares.step or 'done'})"):
                 got = spares.call_spares(shrunk, missing, self.original_rank, message)
             if got is None:
                 return "every spare process (HPCDDP_ELASTIC_SPARES) is taken"
@@ -657,12 +658,13 @@ STUCK_EXIT = 1
 
 
 @contextlib.contextmanager
-def _stuck_after(seconds: float, what: str):
-    """End this rank if the block is still running after SECONDS (a call that cannot return)."""
+def _stuck_after(seconds: float, what):
+    """End this rank if the block is still running after SECONDS (a call that cannot return).
+    WHAT names the block, or says it when called (where a long block is by then)."""
     import threading
 
     def give_up():
-        _end_rank(f"{RECOVERY_STUCK_LINE}: {what} did not return within {seconds:.0f} s "
+        _end_rank(f"{RECOVERY_STUCK_LINE}: {what() if callable(what) else what} did not return within {seconds:.0f} s "
                   f"(a lost rank that MPI reported to some ranks only: docs/elastic.md, \"A node "
                   f"that drops off the network\"); this rank ends (exit {STUCK_EXIT})", STUCK_EXIT)
     timer = threading.Timer(seconds, give_up)
