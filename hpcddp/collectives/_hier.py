@@ -17,7 +17,11 @@ coll/han split the work by node instead, as here (N nodes of L ranks, S bytes)::
     3. all_gather inside the node (shared memory): every rank holds the whole sum
 
 Every element is reduced in the same order on every rank (step 1's, then step 2's), so all
-ranks end with the same bits. The other ops follow the same split (the tensor forms:
+ranks end with the same bits. From 2 x PIPE_BYTES, where step 2 runs on hpcddp's ring over TCP
+links, the three steps run on pieces of the buffer as a pipeline: a piece crosses the nodes
+on the path's own thread while the node reduces the next one and gathers the one before, so
+the link never waits for the node's shared-memory steps (docs/benchmarks.md, "The
+hierarchical all_reduce in pieces"). The other ops follow the same split (the tensor forms:
 reduce_scatter_tensor, all_gather_into_tensor):
 
 - reduce_scatter: reduce_scatter inside the node, local rank l getting the node's sums of the
@@ -37,9 +41,12 @@ MPI's own op, on the op's first call from MIN_BYTES, finds it faster (_node.cros
 from __future__ import annotations
 
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from hpcddp.collectives import _node, _ring
+from hpcddp.comm import links
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import free_mpi
 from hpcddp.diagnostics import mismatch as _mismatch
@@ -47,6 +54,10 @@ from hpcddp.diagnostics import mismatch as _mismatch
 MIN_BYTES = _node.LADDER[0]
 LADDER = tuple(n for n in _node.LADDER if n <= 8 << 20)
 # the ops of the table served here -> the op its race measures
+# a large all_reduce on links runs as a pipeline of pieces of about this size, at most
+# MAX_PIECES (docs/benchmarks.md, "Scaling across virtual nodes")
+PIPE_BYTES = 4 << 20
+MAX_PIECES = 8
 RACED = {"all_reduce": "all_reduce", "broadcast": "broadcast",
          "reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather"}
 
@@ -91,6 +102,11 @@ class Hier:
         self.cross_ring = _ring.connect(cross.Dup()) if _node.switch("ring") != "0" else None
         self.where = where        # group rank -> (node index, local index)
         self.scratch = _node.Scratch()
+        self.scratch_ring = _node.Scratch()     # the ring's own, on the crossing thread
+        self._crossing_thread = None
+        # the pieces cross on a thread of their own: their links' idle check asks MPI
+        self.pipelines = isinstance(self.cross_ring, links.Links) and \
+            MPI.Query_thread() == MPI.THREAD_MULTIPLE
         n_nodes = cross.Get_size()
         # blocks in (local index, node index) order -> rank order, and back
         self.to_ranks = np.array([l * n_nodes + k for k, l in where])
@@ -124,6 +140,8 @@ class Hier:
 
     def close(self) -> None:
         """Free the node and cross communicators and close the ring between nodes."""
+        if self._crossing_thread is not None:
+            self._crossing_thread.shutdown(wait=True)
         if self.cross_ring is not None:
             _ring.close(self.cross_ring)
         free_mpi(self.node)
@@ -145,25 +163,59 @@ class Hier:
         return lambda: self.all_gather(out, arr), lambda: mpi.Allgather(out, arr)
 
     def all_reduce(self, arr: np.ndarray, op) -> None:
-        """Reduce ARR (a contiguous 1-D view of the tensor) with the MPI op OP, in place."""
-        node, L = self.node, self.node.Get_size()
-        total = arr.size
-        bounds = [total * j // L for j in range(L + 1)]
-        counts = [bounds[j + 1] - bounds[j] for j in range(L)]
-        me = node.Get_rank()
-        mine = arr[bounds[me]:bounds[me + 1]]
-        # 1. my slice of the node's sum (into a copy: MPI's reduce_scatter takes no IN_PLACE
-        #    for a part of its own send buffer)
-        part = self.scratch.get("part", mine.size, mine.dtype)
-        node.Reduce_scatter(arr, part, counts, op)
-        # 2. my slice of everyone's sum, with my counterparts on the other nodes
-        if self.cross_ring is not None and _ring.adds(op, part):
-            _ring.all_reduce(self.cross_ring, part, self.scratch)
+        """Reduce ARR (a contiguous 1-D view of the tensor) with the MPI op OP, in place.
+        From 2 x PIPE_BYTES on links, as a pipeline of pieces (_all_reduce_pipelined)."""
+        ring = self.cross_ring is not None and _ring.adds(op, arr)
+        if ring and arr.nbytes >= 2 * PIPE_BYTES and self.pipelines:
+            return self._all_reduce_pipelined(arr, op)
+        piece = _Piece(self, arr, "part")
+        piece.reduce_in_node(op)                       # 1.
+        if ring:                                       # 2.
+            _ring.all_reduce(self.cross_ring, piece.part, self.scratch)
         else:
-            self.cross.Allreduce(MPI.IN_PLACE, part, op)
-        # 3. every slice from the node's ranks
-        mine[...] = part
-        node.Allgatherv(MPI.IN_PLACE, [arr, (counts, bounds[:-1])])
+            self.cross.Allreduce(MPI.IN_PLACE, piece.part, op)
+        piece.gather_in_node()                         # 3.
+
+    def _all_reduce_pipelined(self, arr: np.ndarray, op) -> None:
+        """The three steps on pieces of about PIPE_BYTES, so that the link is never idle
+        while the node reduces or gathers: piece k crosses the nodes (the ring, on this
+        Hier's own thread) while this thread reduces piece k+1 inside the node, then
+        gathers piece k inside the node while piece k+1 crosses. Each piece is summed in
+        the same order on every rank (the same bits everywhere)."""
+        count = max(2, min(MAX_PIECES, arr.nbytes // PIPE_BYTES))
+        edges = [arr.size * i // count for i in range(count + 1)]
+        crossing: list = []              # (piece, the ring's future), oldest first
+        try:
+            for k in range(count):
+                piece = _Piece(self, arr[edges[k]:edges[k + 1]], f"part{k % 3}")
+                piece.reduce_in_node(op)
+                crossing.append((piece, self._crossing().submit(
+                    _ring.all_reduce, self.cross_ring, piece.part, self.scratch_ring)))
+                if len(crossing) == 2:
+                    done, future = crossing.pop(0)
+                    future.result()
+                    done.gather_in_node()
+            done, future = crossing.pop()
+            future.result()
+            done.gather_in_node()
+        except BaseException:
+            # the pieces still crossing end at once (their links close) before the caller
+            # gets the error back and reuses the buffers
+            if crossing:
+                self.cross_ring.broken = self.cross_ring.broken or "an earlier piece failed"
+                self.cross_ring.close()
+                for _, future in crossing:
+                    try:
+                        future.result()
+                    except BaseException:
+                        pass
+            raise
+
+    def _crossing(self):
+        """The thread that runs the ring's pieces between nodes, in order (made on first use)."""
+        if self._crossing_thread is None:
+            self._crossing_thread = ThreadPoolExecutor(1, thread_name_prefix="hpcddp-hier-ring")
+        return self._crossing_thread
 
     def reduce_scatter(self, inp: np.ndarray, out: np.ndarray, op) -> None:
         """Rank r gets op over ranks of INP's r-th block (n blocks of OUT's size) in OUT."""
@@ -195,3 +247,24 @@ class Hier:
         if self.node.Get_rank() == l:
             self.cross.Bcast(arr, root=k)
         self.node.Bcast(arr, root=l)
+
+
+class _Piece:
+    """A contiguous piece of an all_reduce's buffer, split among the node's ranks: local rank
+    l reduces and serves slice l. PART: this rank's slice of the node's sum (a kept buffer
+    under KEY: MPI's reduce_scatter takes no IN_PLACE for a part of its own send buffer)."""
+    def __init__(self, hier: Hier, arr: np.ndarray, key: str):
+        L, me = hier.node.Get_size(), hier.node.Get_rank()
+        self.node, self.arr = hier.node, arr
+        bounds = [arr.size * j // L for j in range(L + 1)]
+        self.counts = [bounds[j + 1] - bounds[j] for j in range(L)]
+        self.displs = bounds[:-1]
+        self.mine = arr[bounds[me]:bounds[me + 1]]
+        self.part = hier.scratch.get(key, self.mine.size, arr.dtype)
+
+    def reduce_in_node(self, op) -> None:
+        self.node.Reduce_scatter(self.arr, self.part, self.counts, op)
+
+    def gather_in_node(self) -> None:
+        self.mine[...] = self.part
+        self.node.Allgatherv(MPI.IN_PLACE, [self.arr, (self.counts, self.displs)])

@@ -74,6 +74,32 @@ def test_matches_numpy(world, opname, dtype, monkeypatch):
     assert state.startswith("open") == used, state
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.int64])
+def test_a_large_all_reduce_crosses_the_nodes_in_pieces(world, dtype, monkeypatch):
+    """From 2 x PIPE_BYTES on the ring's links the all_reduce is a pipeline: each piece
+    crosses the nodes on the path's own thread while this thread reduces the next one inside
+    the node. The sum equals numpy's, with the same bits on every rank, for 2 to MAX_PIECES
+    pieces and counts that split unevenly (pieces of 1 MiB here, to keep the buffers small)."""
+    n, me = world.size, world.rank
+    pipelined = []
+    real = _hier.Hier._all_reduce_pipelined
+    monkeypatch.setattr(_hier.Hier, "_all_reduce_pipelined",
+                        lambda self, arr, op: pipelined.append(arr.nbytes) or real(self, arr, op))
+    monkeypatch.setattr(_hier, "PIPE_BYTES", 1 << 20)
+    for count in ((2 << 20) // 8, (5 << 20) // 8 + 13, (12 << 20) // 8 - 7):
+        every = [data(r, count, dtype) for r in range(n)]
+        t = torch.from_numpy(every[me].copy())
+        C.all_reduce(t)
+        assert np.array_equal(t.numpy(), np.sum(every, axis=0)), count
+        bits = world.mpi.allgather(t.numpy().tobytes())
+        assert all(b == bits[0] for b in bits), count
+    if n == 4:            # 2 nodes x 2 ranks
+        assert _hier.hier(world).pipelines
+        assert len(pipelined) == 3, pipelined
+    else:
+        assert pipelined == [], pipelined
+
+
 def test_small_calls_stay_on_mpi(world, monkeypatch):
     calls = spy(monkeypatch)
     t = torch.ones(_hier.MIN_BYTES // 2 // 4)
