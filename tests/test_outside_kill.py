@@ -94,6 +94,7 @@ PLAIN = [   # (nprocs, phase, target, workers, what, extra env)
     (2, "checkpoint", 0, 1, "rank", {}),
     (3, "arena", 1, 0, "rank", {}),
     (4, "arena", 2, 0, "rank", {"HPCDDP_RANKS_PER_NODE": 2}),   # the hierarchical path
+    (4, "arena", 2, 0, "rank", {"HPCDDP_RANKS_PER_NODE": 2, "BIG_MIB": 16}),   # ... in pieces
     # abort on exception at its default, the watchdog's timeout far away: torch's "worker
     # exited unexpectedly" ends the script, and the rank's exit reports and ends the job
     (3, "data", 1, 1, "worker", {"OK_ABORT": "default", "HPCDDP_TIMEOUT": 600}),
@@ -102,6 +103,8 @@ PLAIN = [   # (nprocs, phase, target, workers, what, extra env)
 
 
 def _label(env: dict) -> str:
+    if "BIG_MIB" in env:
+        return "-hier-pieces"
     return "-hier" if "HPCDDP_RANKS_PER_NODE" in env else "-default" if env else ""
 
 

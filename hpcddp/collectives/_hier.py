@@ -53,11 +53,11 @@ from hpcddp.diagnostics import mismatch as _mismatch
 
 MIN_BYTES = _node.LADDER[0]
 LADDER = tuple(n for n in _node.LADDER if n <= 8 << 20)
-# the ops of the table served here -> the op its race measures
 # a large all_reduce on links runs as a pipeline of pieces of about this size, at most
-# MAX_PIECES (docs/benchmarks.md, "Scaling across virtual nodes")
+# MAX_PIECES (docs/benchmarks.md, "The hierarchical all_reduce in pieces")
 PIPE_BYTES = 4 << 20
 MAX_PIECES = 8
+# the ops of the table served here -> the op its race measures
 RACED = {"all_reduce": "all_reduce", "broadcast": "broadcast",
          "reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather"}
 

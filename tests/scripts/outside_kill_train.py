@@ -132,7 +132,9 @@ def main():
 
     def hook(pg, bucket):
         return default_hooks.allreduce_hook(pg, bucket)
-    big = torch.ones(1 << 20)            # 4 MiB: the arena's (or hierarchical path's) size
+    # 4 MiB: the arena's (or hierarchical path's) size; BIG_MIB=16: the hierarchical path's
+    # pieces, one crossing on the path's own thread when the rank is killed
+    big = torch.ones(int(os.environ.get("BIG_MIB", "4")) << 18)
 
     def one_step(x, y):
         model_ = state.model if state else ddp
