@@ -1,12 +1,12 @@
-"""Build hpcddp's one C module, the plan hits (hpcddp/collectives/_fastpath.c), and put
-hpcddp-start.pth beside the package (torchrun's variables under MPI launchers at
-interpreter start: hpcddp/launch/torchrun_env.py).
+"""Build hpcddp's C modules, the plan hits (hpcddp/collectives/_fastpath.c) and the heartbeat
+pump (hpcddp/comm/_heartbeat.c), and put hpcddp-start.pth beside the package (torchrun's
+variables under MPI launchers at interpreter start: hpcddp/launch/torchrun_env.py).
 
-Everything else is declared in pyproject.toml ([project], PEP 621). The module is optional: it is compiled and linked
-with the MPI compiler wrapper ($MPICC, else the mpicc next to this Python, else mpicc on
+Everything else is declared in pyproject.toml ([project], PEP 621). The modules are optional:
+they are compiled and linked with the MPI compiler wrapper ($MPICC, else the mpicc next to this Python, else mpicc on
 PATH), which must be the MPI that mpi4py runs on (on a cluster: the module-loaded MPI, as for
 mpi4py itself). Without one, or if the build fails, hpcddp installs as pure Python and
-the plan hits take the Python path (`hpcddp info` says which; docs/install.md).
+the plan hits and the pump take their Python paths (`hpcddp info` says which; docs/install.md).
 """
 import os
 import shutil
@@ -66,6 +66,8 @@ class BuildPyWithPth(build_py):
 
 setup(
     ext_modules=[Extension("hpcddp.collectives._fastpath", ["hpcddp/collectives/_fastpath.c"],
+                           optional=True),
+                 Extension("hpcddp.comm._heartbeat", ["hpcddp/comm/_heartbeat.c"],
                            optional=True)],
     cmdclass={"build_ext": BuildWithMPICC, "build_py": BuildPyWithPth},
 )

@@ -100,7 +100,8 @@ def test_sdist_and_wheel_carry_everything(built):
     with tarfile.open(built["sdist"]) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     for name in ("LICENSE", "README.md", "pyproject.toml", "setup.py",
-                 "hpcddp/collectives/_fastpath.c", "hpcddp/parallel/__init__.py",
+                 "hpcddp/collectives/_fastpath.c", "hpcddp/comm/_heartbeat.c",
+                 "hpcddp/parallel/__init__.py",
                  "_hpcddp_start.py"):
         assert name in names, f"{name} is not in the sdist"
     with zipfile.ZipFile(built["wheel"]) as whl:
@@ -110,8 +111,9 @@ def test_sdist_and_wheel_carry_everything(built):
     for package in packages:
         assert f"{package}/__init__.py" in names, f"the wheel lacks the package {package}"
     assert "hpcddp/parallel/checkpoint.py" in names
-    assert any(n.startswith("hpcddp/collectives/_fastpath") and n.endswith(".so")
-               for n in names), "the wheel has no C module (no mpicc at build?)"
+    for module in ("hpcddp/collectives/_fastpath", "hpcddp/comm/_heartbeat"):
+        assert any(n.startswith(module) and n.endswith(".so") for n in names), \
+            f"the wheel has no {module} C module (no mpicc at build?)"
     assert {"hpcddp-start.pth", "_hpcddp_start.py"} <= names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     for line in ("Name: hpcddp", "License-Expression: BSD-3-Clause", "Requires-Python: >=3.10",

@@ -41,33 +41,44 @@ def _yield_across_nodes() -> None:
 # ULFM's heartbeat detector (Open MPI 5): with it a rank whose node dropped off the network is
 # reported failed after DETECTOR_TIMEOUT s, as a killed one is at once; without it (Open MPI's
 # default) nothing reports it and an elastic job stalls. Each rank sends one small message
-# per DETECTOR_PERIOD s to one rank on another node (none to ranks on its own node: their
-# deaths come from the launcher), from a thread of its own. The failure it finds is passed on
-# over MPI's own reliable broadcast (propagator_with_rbcast): the default path, through the
-# launcher, never reached rank 0 on 4 virtual nodes with one cut off, and the shrink hung.
+# per DETECTOR_PERIOD s to its neighbour in MPI_COMM_WORLD, which watches for it. The failure
+# it finds is passed on over MPI's own reliable broadcast (propagator_with_rbcast): the
+# default path, through the launcher, never reached rank 0 on 4 virtual nodes with one cut
+# off, and the shrink hung. The detector runs without its own thread, which crashes MPI_Init
+# now and then; hpcddp.comm.heartbeat's pump keeps it beating instead.
 DETECTOR_PERIOD, DETECTOR_TIMEOUT = "1", "5"
 
 
-def _detect_unreachable_ranks() -> None:
+def _detect_unreachable_ranks() -> bool:
     """Where ULFM is on (``mpirun --with-ft ulfm``) and the job spans nodes, switch its
     heartbeat detector on, unless the user set it: hpcddp.elastic then survives a node that
     drops off the network (docs/elastic.md, "A node that drops off the network"). On one node
-    it would watch nothing (no heartbeats between ranks of a node) and its thread once crashed
-    a rank's start-up here. MPI reads these when it starts."""
+    it would watch nothing (no heartbeats between ranks of a node). MPI reads these when it
+    starts. Returns whether the detector will run without its own thread, fed by
+    hpcddp.comm.heartbeat's pump (which needs MPI_THREAD_MULTIPLE: at a lower thread level
+    the detector keeps its thread)."""
     from hpcddp.launch.env import fault_tolerant_job
     if not fault_tolerant_job() or not _spans_nodes():
-        return
-    for name, value in (("detector", "true"), ("detector_thread", "true"),
+        return False
+    pump = settings.get().thread_level == "multiple"
+    for name, value in (("detector", "true"), ("detector_thread", "false" if pump else "true"),
                         ("detector_period", DETECTOR_PERIOD),
                         ("detector_timeout", DETECTOR_TIMEOUT),
                         ("propagator_with_rbcast", "true")):
         os.environ.setdefault(f"OMPI_MCA_mpi_ft_{name}", value)
+    return pump and _ft_setting("detector") and not _ft_setting("detector_thread")
 
 
+def _ft_setting(name: str) -> bool:
+    return os.environ.get(f"OMPI_MCA_mpi_ft_{name}", "").strip().lower() in (
+        "1", "true", "yes", "on")
+
+
+HEARTBEAT_PUMP = False
 if STARTED_HERE:
     mpi4py.rc.thread_level = settings.get().thread_level
     _yield_across_nodes()
-    _detect_unreachable_ranks()
+    HEARTBEAT_PUMP = _detect_unreachable_ranks()
 
 try:
     from mpi4py import MPI  # noqa: E402
@@ -76,5 +87,9 @@ except RuntimeError as _exc:
     from hpcddp.launch.mpilib import raise_no_mpi
     raise_no_mpi(_exc)
     raise
+
+if HEARTBEAT_PUMP and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+    from hpcddp.comm import heartbeat
+    heartbeat.start(MPI)
 
 __all__ = ["MPI", "STARTED_HERE"]

@@ -26,7 +26,7 @@ import array
 import socket
 import time
 
-from hpcddp.comm import output as _log
+from hpcddp.comm import heartbeat, output as _log
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.failures import end_process, failed_in, is_process_failure
 from hpcddp.comm.spawn import numbered_by_start_up_rank
@@ -219,6 +219,7 @@ def _failed_members() -> list[int]:
 def _leave(finalize: bool) -> None:
     _log.log("hpcddp: spare process not needed: released at the job's end")
     if finalize and MPI.Is_initialized() and not MPI.Is_finalized():
+        heartbeat.stop()
         MPI.Finalize()
     end_process(None, 0)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import hpcddp
 from hpcddp import settings
 from hpcddp.comm import output as _log
-from hpcddp.comm import spares
+from hpcddp.comm import heartbeat, spares
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import Communicator
 from hpcddp.comm.failures import end_process, lost_rank_named, lost_ranks, ranks_text
@@ -254,6 +254,7 @@ def finalize() -> None:
     _run_hooks(hpcddp.ON_MPI_FINALIZE)
     spares.release(rt.world.rank, finalize=True)
     if rt.we_initialized and MPI.Is_initialized() and not MPI.Is_finalized():
+        heartbeat.stop()
         MPI.Finalize()
 
 
@@ -268,6 +269,7 @@ def _finalize_at_exit(finalize_mpi: bool = True) -> None:
         if finalize_mpi:
             _drain_async_engine()
             _run_hooks(hpcddp.ON_MPI_FINALIZE)
+            heartbeat.stop()
             MPI.Finalize()
         # (else the script started MPI, and mpi4py's own exit handler, which runs after this
         # one, finalizes it)

@@ -1,11 +1,14 @@
 """An elastic DDP job for tests/test_elastic.py: a small MLP on a synthetic data set.
 
-argv: OUTDIR [EPOCHS] [GLOBAL_BATCH] [WORKERS]. Kills come from HPCDDP_ELASTIC_KILL. Every
+argv: OUTDIR [EPOCHS] [GLOBAL_BATCH] [WORKERS]. Kills come from HPCDDP_ELASTIC_KILL;
+EL_PAUSE=RANK@STEP:SECONDS has that rank hold the GIL, in C and without an MPI call, for
+SECONDS before that step (a long h5py read, as the heartbeat detector meets it). Every
 rank appends each committed step's sample indices to OUTDIR/trained.<rank> as it goes (a
 killed rank's file keeps what it committed before dying); survivors write
 OUTDIR/final.<rank>.json: the parameters' bytes (hex), where training stopped, the
 recoveries, and the survivors' world.
 """
+import ctypes
 import json
 import os
 import sys
@@ -15,7 +18,7 @@ import torch.nn.functional as F
 
 import hpcddp
 import hpcddp.elastic as elastic
-from hpcddp.comm import spares
+from hpcddp.comm import heartbeat, spares
 
 
 class Indexed(torch.utils.data.Dataset):
@@ -52,9 +55,16 @@ def main():
     state = elastic.State(model, opt, sampler, scheduler=sched,
                           ddp_kwargs={"bucket_cap_mb": 0.01}, topology_groups=True)
     me = state.original_rank
+    pause = os.environ.get("EL_PAUSE", "")
+    pause_rank, pause_step, pause_s = (
+        (int(pause.split("@")[0]), *map(int, pause.split("@")[1].split(":"))) if pause
+        else (-1, -1, 0))
     log = open(os.path.join(out, f"trained.{me}"), "a")
     for epoch in state.epochs(epochs):
         for x, y, idx in state.batches(loader):
+            if me == pause_rank and state.global_step == pause_step:
+                print(f"[rank{me}] holding the GIL for {pause_s} s", flush=True)
+                ctypes.PyDLL(None).sleep(pause_s)   # a PyDLL call keeps the GIL
             gen = state.generation          # which world this attempt runs on
             log.write(json.dumps(["attempt", epoch, state.global_step, gen, idx.tolist()]) + "\n")
             log.flush()
@@ -75,6 +85,7 @@ def main():
         json.dump({"rank": me, "size": state.size, "global_step": state.global_step,
                    "params": blob.hex(), "node_group_size": int(t.item()),
                    "num_nodes": hpcddp.get_topology().num_nodes,
+                   "heartbeat_pump": heartbeat.running(),
                    # the GPU this process would take (a spare: never a node-mate's)
                    "device_index": (spares.node_index() if elastic.is_replacement()
                                     else hpcddp.get_topology().local_rank),

@@ -1,0 +1,56 @@
+"""The heartbeat pump (hpcddp.comm.heartbeat): it turns MPI's progress engine from a thread of
+its own while the script holds the GIL (the C pump) or not (both), and ends before
+MPI_Finalize. Each case runs in a process of its own (MPI starts as a singleton there). Its
+use, a rank holding the GIL past ULFM's detector timeout across two Slurm nodes:
+tests/test_elastic_slurm.py."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import ctypes, json, sys, time
+    from hpcddp.comm._mpi import MPI
+    from hpcddp.comm import heartbeat
+    if sys.argv[1] == "python":
+        heartbeat._load_c = lambda MPI: (None, "the test asks for the Python pump")
+    kind = heartbeat.start(MPI)
+    assert heartbeat.start(MPI) == kind          # once per process
+    time.sleep(0.35)                             # the GIL free: either pump runs
+    free = heartbeat.rounds()
+    before = heartbeat.rounds()
+    ctypes.PyDLL(None).usleep(600000)            # 0.6 s holding the GIL, no MPI call
+    held = heartbeat.rounds() - before
+    stopped = heartbeat.stop()
+    print(json.dumps({"kind": kind, "free": free, "held": held, "stopped": stopped,
+                      "again": heartbeat.stop(), "running": heartbeat.running()}))
+    MPI.Finalize()
+""")
+
+
+def run(which: str) -> dict:
+    res = subprocess.run([sys.executable, "-c", SCRIPT, which], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_the_c_pump_turns_mpi_progress_while_the_script_holds_the_gil():
+    pytest.importorskip("hpcddp.comm._heartbeat", reason="the C module was not built (no mpicc)")
+    r = run("c")
+    assert r["kind"] == "C thread"
+    assert r["free"] >= 2, r                     # every 0.1 s
+    assert r["held"] >= 3, r                     # 0.6 s with the GIL taken: it went on
+    assert (r["stopped"], r["again"], r["running"]) == (True, False, None), r
+
+
+def test_the_python_pump_runs_where_the_c_module_cannot_but_stops_while_the_gil_is_held():
+    r = run("python")
+    assert r["kind"] == "Python thread"
+    assert r["free"] >= 2, r
+    assert r["held"] <= 1, r                     # what the C pump is there for
+    assert (r["stopped"], r["again"], r["running"]) == (True, False, None), r
