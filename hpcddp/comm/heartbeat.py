@@ -30,6 +30,7 @@ asks for a lower thread level, the detector keeps its own thread (hpcddp.comm._m
 before MPI_Finalize (hpcddp.comm.startup, and at exit).
 """
 import atexit
+import os
 import threading
 from typing import Optional
 
@@ -48,6 +49,7 @@ class _Pump:
     """One pump: the C thread, or the Python one (KIND says which)."""
 
     def __init__(self, MPI):
+        self.pid = os.getpid()
         self.comm = MPI.COMM_SELF.Dup()
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.comm.Set_name("hpcddp-heartbeat-pump")
@@ -112,6 +114,9 @@ def stop() -> bool:
     with _lock:
         pump, _pump = _pump, None
     if pump is None:
+        return False
+    if pump.pid != os.getpid():
+        # a forked child (its exit handlers ran): the thread and MPI are its parent's
         return False
     pump.stop()
     return True

@@ -54,3 +54,29 @@ def test_the_python_pump_runs_where_the_c_module_cannot_but_stops_while_the_gil_
     assert r["free"] >= 2, r
     assert r["held"] <= 1, r                     # what the C pump is there for
     assert (r["stopped"], r["again"], r["running"]) == (True, False, None), r
+
+
+FORKED = textwrap.dedent("""
+    import json, os, time
+    from hpcddp.comm._mpi import MPI
+    from hpcddp.comm import heartbeat
+    heartbeat.start(MPI)
+    pid = os.fork()
+    if pid == 0:             # as the child's exit handlers would: a no-op there
+        os._exit(0 if heartbeat.stop() is False else 3)
+    _, status = os.waitpid(pid, 0)
+    before = heartbeat.rounds()
+    time.sleep(0.35)
+    print(json.dumps([os.waitstatus_to_exitcode(status), heartbeat.running(),
+                      heartbeat.rounds() > before]))
+    heartbeat.stop()
+    MPI.Finalize()
+""")
+
+
+def test_a_forked_child_leaves_its_parents_pump_alone():
+    res = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    code, kind, beating = json.loads(res.stdout.strip().splitlines()[-1])
+    assert (code, beating) == (0, True) and kind in ("C thread", "Python thread"), res.stdout
