@@ -27,9 +27,8 @@ timeout can be taken for lost (docs/elastic.md, "What it costs when nothing fail
 
 The pump needs MPI_THREAD_MULTIPLE (another thread calls MPI beside the script): where hpcddp
 asks for a lower thread level, the detector keeps its own thread (hpcddp.comm._mpi). It ends
-before MPI_Finalize (hpcddp.comm.startup, and at exit).
+before MPI_Finalize, whoever calls it (hpcddp.comm.startup, the script, mpi4py at exit).
 """
-import atexit
 import os
 import threading
 from typing import Optional
@@ -104,7 +103,10 @@ def start(MPI) -> str:
     with _lock:
         if _pump is None:
             _pump = _Pump(MPI)
-            atexit.register(stop)   # before mpi4py's MPI_Finalize, where nothing else stops it
+            # MPI_Finalize first frees COMM_SELF's attributes: whoever calls it (the script,
+            # mpi4py at exit), the pump ends before MPI does
+            keyval = MPI.Comm.Create_keyval(delete_fn=lambda comm, key, value: stop())
+            MPI.COMM_SELF.Set_attr(keyval, True)
         return _pump.kind
 
 

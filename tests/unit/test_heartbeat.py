@@ -80,3 +80,22 @@ def test_a_forked_child_leaves_its_parents_pump_alone():
     assert res.returncode == 0, (res.stdout, res.stderr)
     code, kind, beating = json.loads(res.stdout.strip().splitlines()[-1])
     assert (code, beating) == (0, True) and kind in ("C thread", "Python thread"), res.stdout
+
+
+FINALIZED_BY_THE_SCRIPT = textwrap.dedent("""
+    import time
+    from hpcddp.comm._mpi import MPI
+    from hpcddp.comm import heartbeat
+    heartbeat.start(MPI)
+    time.sleep(0.25)
+    MPI.Finalize()           # as an mpi4py script ends, no hpcddp.finalize
+    time.sleep(0.35)         # a pump still probing would now call MPI after MPI_Finalize
+    print("ended", heartbeat.running())
+""")
+
+
+def test_the_pump_ends_when_the_script_finalizes_mpi_itself():
+    res = subprocess.run([sys.executable, "-c", FINALIZED_BY_THE_SCRIPT], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0 and "ended None" in res.stdout, (res.stdout, res.stderr)
+    assert "after MPI_FINALIZE" not in res.stdout + res.stderr, res.stderr
