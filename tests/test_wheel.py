@@ -101,6 +101,7 @@ def test_sdist_and_wheel_carry_everything(built):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     for name in ("LICENSE", "README.md", "pyproject.toml", "setup.py",
                  "hpcddp/collectives/_fastpath.c", "hpcddp/comm/_heartbeat.c",
+                 "hpcddp/_mpi_library.h",
                  "hpcddp/parallel/__init__.py",
                  "_hpcddp_start.py"):
         assert name in names, f"{name} is not in the sdist"

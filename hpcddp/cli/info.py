@@ -8,7 +8,7 @@ import platform
 
 DESCRIPTION = """\
 Show hpcddp's version, whether its C module is built (and how to build it), the MPI library and version, thread level, launcher, the rank / local rank / node / host
-layout, torch and CUDA, CUDA-aware MPI status, h5py/lmdb versions, and which path each
+layout, fault tolerance (ULFM, its heartbeat detector and what keeps it beating), torch and CUDA, CUDA-aware MPI status, h5py/lmdb versions, and which path each
 collective takes on the world group (in the order tried; open or closed, and why). Run it the way you run
 your training job, e.g.:
 
@@ -75,6 +75,7 @@ def collect_info() -> dict | None:
         "c_module": _c_module_state(_plans),
         "async_engine": engine.state(),
         "mpi_yield_when_idle": __import__("os").environ.get("OMPI_MCA_mpi_yield_when_idle", ""),
+        "fault_tolerance": _fault_tolerance(),
         "world_size": world.size,
         "nodes": topo.num_nodes,
         "ranks_per_node_emulated": topo.emulated,
@@ -116,6 +117,26 @@ def _c_module_state(plans) -> str:
     return f"not used: {why}"
 
 
+def _fault_tolerance() -> str:
+    """What happens to the job when a rank is lost, and how a silent node is found (rank 0's
+    view: every rank starts with the same settings)."""
+    import os
+    from hpcddp.comm import heartbeat
+    from hpcddp.launch.env import fault_tolerant_job
+    if not fault_tolerant_job():
+        return "off: a lost rank ends the job (elastic training: mpirun --with-ft ulfm)"
+    ft = {name: os.environ.get(f"OMPI_MCA_mpi_ft_{name}", "") for name in
+          ("detector", "detector_thread", "detector_period", "detector_timeout")}
+    if ft["detector"].lower() not in ("1", "true", "yes", "on"):
+        return "ULFM on; heartbeat detector off (one node, or set off: a silent node is not found)"
+    pump = heartbeat.running()
+    beat = (f"beaten by hpcddp's heartbeat pump ({pump})" if pump else
+            "on its own thread" if ft["detector_thread"].lower() in ("1", "true", "yes", "on")
+            else "beaten only inside MPI calls (no pump runs)")
+    return (f"ULFM on; heartbeat detector every {ft['detector_period'] or '?'} s, a node silent "
+            f"{ft['detector_timeout'] or '?'} s is lost; {beat}")
+
+
 def format_info(info: dict) -> str:
     m = info["mpi"]
     emu = " (emulated: HPCDDP_RANKS_PER_NODE)" if info["ranks_per_node_emulated"] else ""
@@ -129,6 +150,7 @@ def format_info(info: dict) -> str:
         f"repeat calls ({', '.join(info['plan_hit_ops'])}) in {info['all_reduce_hit']}",
         f"async ops  engine {info['async_engine']}; MPI waits "
         f"{'yielding the core' if info['mpi_yield_when_idle'] == '1' else 'spinning'}",
+        f"failures   {info['fault_tolerance']}",
         f"torch      {info['torch']}; CUDA devices: "
         f"{', '.join(info['cuda_devices']) if info['cuda_devices'] else 'none'}",
         f"data       h5py {info['h5py']}, lmdb {info['lmdb']}; python {info['python']}",

@@ -32,13 +32,15 @@
  *
  * Built by setup.py with the MPI compiler wrapper (mpicc); optional. The handles are
  * mpi4py's (MPI._handleof), so this library and mpi4py's must be the same MPI:
- * _plans checks library_version() against mpi4py's before using this module.
+ * _plans checks library_version() against mpi4py's before using this module
+ * (_mpi_library.h).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
 #include <pythread.h>
 #include <mpi.h>
+#include "_mpi_library.h"
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
@@ -1048,13 +1050,6 @@ static PyObject *configure(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *library_version(PyObject *self, PyObject *unused) {
-    char text[MPI_MAX_LIBRARY_VERSION_STRING];
-    int len = 0;
-    MPI_Get_library_version(text, &len);  /* callable before MPI_Init */
-    return PyUnicode_DecodeLatin1(text, len, "replace");
-}
-
 static PyMethodDef methods[] = {
     {"all_reduce_sum", (PyCFunction)(void (*)(void))all_reduce_sum, METH_FASTCALL,
      "all_reduce_sum(tensor, group) -> bool: run the planned SUM all_reduce of TENSOR in "
@@ -1076,8 +1071,7 @@ static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(plans, xplans, ring, slots, tick, mpi_exception, pplans, p2p_seq, future_of, "
      "count_error, bplans, rplans): what the hits read."},
-    {"library_version", library_version, METH_NOARGS,
-     "MPI_Get_library_version() of the MPI this module was built and linked with."},
+    LIBRARY_VERSION_METHOD,
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastpath",

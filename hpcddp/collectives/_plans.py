@@ -36,6 +36,7 @@ from hpcddp.comm._mpi import MPI
 from hpcddp.collectives import _large
 from hpcddp.diagnostics import recorder as _rec
 from hpcddp.diagnostics.mismatch import AGREE_BYTES, checked_start
+from hpcddp.launch.mpilib import other_mpi
 from hpcddp.collectives._common import IN_PLACE, record, record_end
 from hpcddp.collectives.work import count_error, future_of
 
@@ -309,10 +310,9 @@ def _load_c():
     except ImportError as e:
         return None, (f"not built ({e}); reinstall with an MPI C compiler on PATH or in "
                       f"$MPICC: docs/install.md")
-    ours, theirs = _fastpath.library_version(), MPI.Get_library_version()
-    if ours.split("\n")[0].strip() != theirs.split("\n")[0].strip():
-        return None, (f"built against another MPI ({ours.splitlines()[0]!r}) than mpi4py's "
-                      f"({theirs.splitlines()[0]!r}): reinstall hpcddp")
+    why_not = other_mpi(_fastpath, MPI)
+    if why_not:
+        return None, why_not
     ring, slots, clock, p2p_seq = _rec.RECORDER.native_writer()
     _fastpath.configure(plans, xplans, ring, slots, clock, MPI.Exception, pplans, p2p_seq,
                         future_of, count_error, bplans, rplans)

