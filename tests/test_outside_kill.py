@@ -123,6 +123,29 @@ def test_plain_job_ends(tmp_path, nprocs, phase, target, workers, what, extra):
         assert left == [], left
 
 
+@pytest.mark.parametrize("mode", ["plain", "elastic"])
+def test_rank_stopped_from_outside_ends_the_job_naming_it(tmp_path, mode):
+    """SIGSTOP (a frozen process: a node swapping, a debugger, ``kill -STOP``) to rank 1 inside
+    its gradient all-reduce: it stays alive and silent, so nothing but the watchdog sees it.
+    After HPCDDP_TIMEOUT the stall report names it unresponsive and the job ends, non-zero,
+    nothing left. Elastic (``--with-ft ulfm``), where MPI_Abort ends only its caller, too:
+    the reporter ends the others and SIGKILLs the stopped rank (it took 38 s and left the
+    others waiting on their own timeouts before)."""
+    job = _train(tmp_path, 3, mode, "backward", 1)
+    job.wait_for(r"\[rank1\] AT PHASE backward pid (\d+)")
+    job.kill(job.ranks()[1], "rank 1", signal.SIGSTOP)
+    (tmp_path / "killed").touch()
+    rc, out, after = _ended_cleanly(job)
+    assert rc == 3, out[-3000:]
+    assert after <= JOB_TIMEOUT + 15, f"{after:.1f} s from the SIGSTOP to the end"
+    assert re.search(r"rank 1 is unresponsive: its process \(pid \d+ on \S+\) exists", out), \
+        out[-3000:]
+    assert "DONE" not in out and not list(tmp_path.glob("final.*.json"))
+    if mode == "elastic":
+        assert "hpcddp: ending rank 1 (pid" in out, out[-3000:]
+        assert "stall report ends the job (HPCDDP_STALL_POLICY=abort): this rank ends" in out
+
+
 ELASTIC = [   # (nprocs, phase, target, workers, what)
     (3, "data", 1, 1, "rank"),
     (3, "data", 1, 1, "worker"),

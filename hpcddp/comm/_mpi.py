@@ -49,24 +49,29 @@ def _yield_across_nodes() -> None:
 DETECTOR_PERIOD, DETECTOR_TIMEOUT = "1", "5"
 
 
-def _detect_unreachable_ranks() -> bool:
+def _detect_unreachable_ranks() -> None:
     """Where ULFM is on (``mpirun --with-ft ulfm``) and the job spans nodes, switch its
     heartbeat detector on, unless the user set it: hpcddp.elastic then survives a node that
     drops off the network (docs/elastic.md, "A node that drops off the network"). On one node
     it would watch nothing (no heartbeats between ranks of a node). MPI reads these when it
-    starts. Returns whether the detector will run without its own thread, fed by
-    hpcddp.comm.heartbeat's pump (which needs MPI_THREAD_MULTIPLE: at a lower thread level
-    the detector keeps its thread)."""
+    starts. The detector runs without its own thread, fed by hpcddp.comm.heartbeat's pump,
+    which needs MPI_THREAD_MULTIPLE: at a lower thread level it keeps its thread."""
     from hpcddp.launch.env import fault_tolerant_job
     if not fault_tolerant_job() or not _spans_nodes():
-        return False
+        return
     pump = settings.get().thread_level == "multiple"
     for name, value in (("detector", "true"), ("detector_thread", "false" if pump else "true"),
                         ("detector_period", DETECTOR_PERIOD),
                         ("detector_timeout", DETECTOR_TIMEOUT),
                         ("propagator_with_rbcast", "true")):
         os.environ.setdefault(f"OMPI_MCA_mpi_ft_{name}", value)
-    return pump and _ft_setting("detector") and not _ft_setting("detector_thread")
+
+
+def _detector_needs_pump() -> bool:
+    """Whether ULFM's detector runs without its own thread in this job: hpcddp set it so
+    above, or the user did before a script started MPI ahead of hpcddp."""
+    from hpcddp.launch.env import fault_tolerant_job
+    return fault_tolerant_job() and _ft_setting("detector") and not _ft_setting("detector_thread")
 
 
 def _ft_setting(name: str) -> bool:
@@ -74,11 +79,10 @@ def _ft_setting(name: str) -> bool:
         "1", "true", "yes", "on")
 
 
-HEARTBEAT_PUMP = False
 if STARTED_HERE:
     mpi4py.rc.thread_level = settings.get().thread_level
     _yield_across_nodes()
-    HEARTBEAT_PUMP = _detect_unreachable_ranks()
+    _detect_unreachable_ranks()
 
 try:
     from mpi4py import MPI  # noqa: E402
@@ -88,7 +92,7 @@ except RuntimeError as _exc:
     raise_no_mpi(_exc)
     raise
 
-if HEARTBEAT_PUMP and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+if _detector_needs_pump() and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
     from hpcddp.comm import heartbeat
     heartbeat.start(MPI)
 

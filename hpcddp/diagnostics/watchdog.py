@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import signal
 import sys
 import threading
 import time
@@ -47,9 +48,13 @@ from hpcddp.diagnostics import network as _network
 from hpcddp.diagnostics import recorder as _rec
 from hpcddp.diagnostics import report as _report
 from hpcddp.diagnostics import state as _state
+from hpcddp.launch.env import fault_tolerant_job
 from hpcddp.launch.process import pid_state
 
-TAG_REQ, TAG_STATE, TAG_STALL, TAG_ACK, TAG_AUDIT, TAG_ENDED, TAG_WAITING = range(11, 18)
+TAG_REQ, TAG_STATE, TAG_STALL, TAG_ACK, TAG_AUDIT, TAG_ENDED, TAG_WAITING, TAG_END = range(11, 19)
+# under ULFM the reporter's order to end reaches the others before it ends itself: at most this
+# long to wait for its sends to leave (a peer that does not answer is not waited for)
+END_SEND_WAIT = 1.0
 AUDIT_EVERY = 1.0          # seconds between two audits of the recorded calls
 # once a rank's script has ended, the coordinator looks whether another waits in a collective
 # it never called: first this long after, then at doubling gaps up to ENDED_LOOK_MAX
@@ -255,6 +260,10 @@ class Watchdog:
                     self.ledger.add(src, rows, time.monotonic())
                     if final:
                         self._audit_final.add(src)
+                elif tag == TAG_END:
+                    self._end_here(f"rank {src}'s stall report ends the job "
+                                   f"(HPCDDP_STALL_POLICY=abort): this rank ends, exit code "
+                                   f"{_cfg.STALL_EXIT_CODE}")
 
     def _snapshot(self) -> dict:
         snap = _state.snapshot(self.rank, self.host, self.pid, exclude_thread=self.thread.ident)
@@ -610,6 +619,46 @@ class Watchdog:
         self._emit(text)
         return True
 
+    def _end_job(self) -> None:
+        """The stall policy's abort. MPI_Abort ends every rank, except under ULFM (``mpirun
+        --with-ft ulfm``), where Open MPI 5 ends the caller only: seen, the other ranks waited
+        on until their own timeout, and a rank that did not answer (stopped) stayed. There the
+        reporter tells every rank to end, SIGKILLs the ranks of its own host that did not answer
+        (it knows their PIDs), and ends; each rank's exit code 3 makes mpirun's non-zero."""
+        if not fault_tolerant_job():
+            MPI.COMM_WORLD.Abort(_cfg.STALL_EXIT_CODE)
+        if self.multiple:
+            sent = []
+            for r in range(self.size):
+                if r != self.rank and r not in self._suspect:
+                    try:     # a rank already gone may fail its send (ULFM); the others not
+                        sent.append(self.diag.isend(self.rank, dest=r, tag=TAG_END))
+                    except MPI.Exception:
+                        pass
+            deadline = time.monotonic() + END_SEND_WAIT
+            try:
+                while not MPI.Request.Testall(sent) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            except MPI.Exception:
+                pass
+        for r in sorted(self._suspect & set(self.local_peers)):
+            if pid_state(self.pids[r]) == "alive":
+                _log.log(f"hpcddp: ending rank {r} (pid {self.pids[r]} on {self.host}), which "
+                         f"did not answer: under ULFM nothing else would")
+                os.kill(self.pids[r], signal.SIGKILL)
+        self._end_here(None)
+
+    @staticmethod
+    def _end_here(why) -> None:
+        if why:
+            _log.log(why)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:
+            pass
+        os._exit(_cfg.STALL_EXIT_CODE)
+
     def _report_local(self, reason: str) -> None:
         snap = self._snapshot()
         text = _report.render({self.rank: snap}, {}, self.size,
@@ -644,6 +693,6 @@ class Watchdog:
             pass
         _log.log(text.rstrip("\n") + "\n" + tail)
         if abort and not self._stopping:
-            MPI.COMM_WORLD.Abort(_cfg.STALL_EXIT_CODE)
+            self._end_job()
         if kind == "stall":
             self._quiet_until = time.monotonic() + (self.settings.timeout or 0.0)

@@ -6,6 +6,7 @@ tests/test_elastic_slurm.py."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -99,3 +100,27 @@ def test_the_pump_ends_when_the_script_finalizes_mpi_itself():
                          text=True, timeout=60)
     assert res.returncode == 0 and "ended None" in res.stdout, (res.stdout, res.stderr)
     assert "after MPI_FINALIZE" not in res.stdout + res.stderr, res.stderr
+
+
+MPI_FIRST = textwrap.dedent("""
+    from mpi4py import MPI          # the script starts MPI itself, before hpcddp
+    import hpcddp.comm._mpi
+    from hpcddp.comm import heartbeat
+    print("PUMP", heartbeat.running(), flush=True)
+""")
+
+
+@pytest.mark.parametrize("detector,want", [("true", "C thread"), (None, "None")])
+def test_a_script_that_starts_mpi_first_gets_the_pump_where_the_detector_needs_it(detector, want):
+    """hpcddp sets ULFM's detector only where it starts MPI itself; a script that imports
+    mpi4py first and sets the detector on (without its thread) gets the pump from hpcddp's
+    import, and one that leaves the detector off gets none."""
+    pytest.importorskip("hpcddp.comm._heartbeat", reason="the C module was not built (no mpicc)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_MCA_mpi_ft_")}
+    env["OMPI_MCA_mpi_ft_enable"] = "1"
+    if detector:
+        env.update(OMPI_MCA_mpi_ft_detector=detector, OMPI_MCA_mpi_ft_detector_thread="false")
+    res = subprocess.run([sys.executable, "-c", MPI_FIRST], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert f"PUMP {want}" in res.stdout, (res.stdout, res.stderr)
