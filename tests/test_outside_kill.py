@@ -123,27 +123,40 @@ def test_plain_job_ends(tmp_path, nprocs, phase, target, workers, what, extra):
         assert left == [], left
 
 
-@pytest.mark.parametrize("mode", ["plain", "elastic"])
-def test_rank_stopped_from_outside_ends_the_job_naming_it(tmp_path, mode):
+@pytest.mark.parametrize("mode,ulfm", [("plain", False), ("plain", True), ("elastic", True)],
+                         ids=["plain", "plain-ulfm", "elastic"])
+def test_rank_stopped_from_outside(tmp_path, mode, ulfm):
     """SIGSTOP (a frozen process: a node swapping, a debugger, ``kill -STOP``) to rank 1 inside
-    its gradient all-reduce: it stays alive and silent, so nothing but the watchdog sees it.
-    After HPCDDP_TIMEOUT the stall report names it unresponsive and the job ends, non-zero,
-    nothing left. Elastic (``--with-ft ulfm``), where MPI_Abort ends only its caller, too:
-    the reporter ends the others and SIGKILLs the stopped rank (it took 38 s and left the
-    others waiting on their own timeouts before)."""
-    job = _train(tmp_path, 3, mode, "backward", 1)
+    its gradient all-reduce: it stays alive and silent, so on one node nothing but the
+    watchdog sees it. After HPCDDP_TIMEOUT the stall report names it unresponsive. Plain: the
+    job ends, exit 3, nothing left; under ``--with-ft ulfm``, where MPI_Abort ends only its
+    caller (the others waited on their own timeouts, 38 s, before), the reporter tells the
+    others to end and SIGKILLs the stopped rank. Elastic: the stopped rank is ended as a lost
+    rank (as ULFM's detector takes a silent rank across nodes) and the survivors finish."""
+    job = Job(3, [sys.executable, SCRIPT, str(tmp_path), mode, "backward", "1", "1", "fork"],
+              outfile=tmp_path / "out.txt", timeout=WALL, env=_env(), fault_tolerant=ulfm)
     job.wait_for(r"\[rank1\] AT PHASE backward pid (\d+)")
     job.kill(job.ranks()[1], "rank 1", signal.SIGSTOP)
     (tmp_path / "killed").touch()
     rc, out, after = _ended_cleanly(job)
-    assert rc == 3, out[-3000:]
     assert after <= JOB_TIMEOUT + 15, f"{after:.1f} s from the SIGSTOP to the end"
     assert re.search(r"rank 1 is unresponsive: its process \(pid \d+ on \S+\) exists", out), \
         out[-3000:]
-    assert "DONE" not in out and not list(tmp_path.glob("final.*.json"))
+    finals = sorted(int(p.name.split(".")[1]) for p in tmp_path.glob("final.*.json"))
     if mode == "elastic":
+        assert rc == 0, out[-4000:]
+        assert "elastic: ending rank(s) 1 (pid" in out and "aborting the job" not in out
+        assert finals == [0, 2], (finals, out[-3000:])
+        assert all(json.loads((tmp_path / f"final.{r}.json").read_text())["lost"] == [1]
+                   for r in finals)
+        return
+    assert rc == 3, out[-3000:]
+    assert "DONE" not in out and finals == []
+    if ulfm:
         assert "hpcddp: ending rank 1 (pid" in out, out[-3000:]
-        assert "stall report ends the job (HPCDDP_STALL_POLICY=abort): this rank ends" in out
+        # rank 2 ends on the reporter's word, or first sees rank 1's or the reporter's end
+        assert ("stall report ends the job (HPCDDP_STALL_POLICY=abort): this rank ends" in out
+                or "[rank2] mpi4py.MPI.Exception: MPI_ERR_PROC_FAILED" in out), out[-3000:]
 
 
 ELASTIC = [   # (nprocs, phase, target, workers, what)

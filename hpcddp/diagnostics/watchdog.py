@@ -616,8 +616,19 @@ class Watchdog:
         text = _report.render(snaps, gone, self.size, timeout=self.settings.timeout or 0.0,
                               policy=self.settings.policy, job=self.job, reporter=self.rank,
                               reason=reason, analysis=analysis)
-        self._emit(text)
+        self._emit(text, lose=self._losable(gone))
         return True
+
+    def _losable(self, gone) -> list:
+        """The ranks to end as lost instead of ending the job: in elastic mode, where every
+        rank that did not answer is alive on this host (stopped, swapping: what ULFM's
+        detector would take for lost across nodes), SIGKILL makes them lost ranks, which
+        hpcddp.elastic survives. Else none (the policy ends the job)."""
+        if not (self.peer_failures_survivable and self.settings.policy == "abort" and gone):
+            return []
+        if all(r in self.local_peers and pid_state(self.pids[r]) == "alive" for r in gone):
+            return sorted(gone)
+        return []
 
     def _end_job(self) -> None:
         """The stall policy's abort. MPI_Abort ends every rank, except under ULFM (``mpirun
@@ -669,7 +680,7 @@ class Watchdog:
                               local_only=True)
         self._emit(text, suffix=f".rank{self.rank}")
 
-    def _emit(self, text: str, suffix: str = "", kind: str = "stall") -> None:
+    def _emit(self, text: str, suffix: str = "", kind: str = "stall", lose=()) -> None:
         self.reports += 1
         path = os.path.join(self.settings.report_dir, f"hpcddp-stall-{self.job}{suffix}.txt")
         try:
@@ -682,7 +693,10 @@ class Watchdog:
         except OSError as exc:
             where = f"could not write {path}: {exc}"
         abort = self.settings.policy == "abort"
-        tail = (f"{where}\naborting the job (HPCDDP_STALL_POLICY=abort; exit code "
+        lost = ", ".join(f"{r} (pid {self.pids[r]})" for r in lose)
+        tail = (f"{where}\nelastic: ending rank(s) {lost}, which did not answer, as lost "
+                f"ranks: the job goes on without them (HPCDDP_STALL_POLICY=abort)" if lose else
+                f"{where}\naborting the job (HPCDDP_STALL_POLICY=abort; exit code "
                 f"{_cfg.STALL_EXIT_CODE})" if abort else
                 f"{where}\ngoing on (HPCDDP_STALL_POLICY=warn)" if kind == "audit" else
                 f"{where}\nwaiting on (HPCDDP_STALL_POLICY=warn): next report in "
@@ -692,7 +706,10 @@ class Watchdog:
         except Exception:
             pass
         _log.log(text.rstrip("\n") + "\n" + tail)
-        if abort and not self._stopping:
+        if lose and not self._stopping:
+            for r in lose:
+                os.kill(self.pids[r], signal.SIGKILL)
+        elif abort and not self._stopping:
             self._end_job()
         if kind == "stall":
             self._quiet_until = time.monotonic() + (self.settings.timeout or 0.0)
