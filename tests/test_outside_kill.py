@@ -145,7 +145,7 @@ def test_rank_stopped_from_outside(tmp_path, mode, ulfm):
     finals = sorted(int(p.name.split(".")[1]) for p in tmp_path.glob("final.*.json"))
     if mode == "elastic":
         assert rc == 0, out[-4000:]
-        assert "elastic: ending rank(s) 1 (pid" in out and "aborting the job" not in out
+        assert "elastic: ending rank 1 (pid" in out and "aborting the job" not in out
         assert finals == [0, 2], (finals, out[-3000:])
         assert all(json.loads((tmp_path / f"final.{r}.json").read_text())["lost"] == [1]
                    for r in finals)
@@ -153,10 +153,8 @@ def test_rank_stopped_from_outside(tmp_path, mode, ulfm):
     assert rc == 3, out[-3000:]
     assert "DONE" not in out and finals == []
     if ulfm:
+        # rank 2 then ends on the reporter's word or on rank 1's death, whichever comes first
         assert "hpcddp: ending rank 1 (pid" in out, out[-3000:]
-        # rank 2 ends on the reporter's word, or first sees rank 1's or the reporter's end
-        assert ("stall report ends the job (HPCDDP_STALL_POLICY=abort): this rank ends" in out
-                or "[rank2] mpi4py.MPI.Exception: MPI_ERR_PROC_FAILED" in out), out[-3000:]
 
 
 ELASTIC = [   # (nprocs, phase, target, workers, what)

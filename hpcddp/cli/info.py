@@ -122,19 +122,19 @@ def _fault_tolerance() -> str:
     view: every rank starts with the same settings)."""
     import os
     from hpcddp.comm import heartbeat
-    from hpcddp.launch.env import fault_tolerant_job
+    from hpcddp.launch.env import fault_tolerant_job, ft_setting
     if not fault_tolerant_job():
         return "off: a lost rank ends the job (elastic training: mpirun --with-ft ulfm)"
-    ft = {name: os.environ.get(f"OMPI_MCA_mpi_ft_{name}", "") for name in
-          ("detector", "detector_thread", "detector_period", "detector_timeout")}
-    if ft["detector"].lower() not in ("1", "true", "yes", "on"):
+    if not ft_setting("detector"):
         return "ULFM on; heartbeat detector off (one node, or set off: a silent node is not found)"
     pump = heartbeat.running()
     beat = (f"beaten by hpcddp's heartbeat pump ({pump})" if pump else
-            "on its own thread" if ft["detector_thread"].lower() in ("1", "true", "yes", "on")
+            "on its own thread" if ft_setting("detector_thread")
             else "beaten only inside MPI calls (no pump runs)")
-    return (f"ULFM on; heartbeat detector every {ft['detector_period'] or '?'} s, a node silent "
-            f"{ft['detector_timeout'] or '?'} s is lost; {beat}")
+    period, timeout = (os.environ.get(f"OMPI_MCA_mpi_ft_detector_{name}", "?")
+                       for name in ("period", "timeout"))
+    return (f"ULFM on; heartbeat detector every {period} s, a node silent {timeout} s is lost; "
+            f"{beat}")
 
 
 def format_info(info: dict) -> str:

@@ -70,13 +70,8 @@ def _detect_unreachable_ranks() -> None:
 def _detector_needs_pump() -> bool:
     """Whether ULFM's detector runs without its own thread in this job: hpcddp set it so
     above, or the user did before a script started MPI ahead of hpcddp."""
-    from hpcddp.launch.env import fault_tolerant_job
-    return fault_tolerant_job() and _ft_setting("detector") and not _ft_setting("detector_thread")
-
-
-def _ft_setting(name: str) -> bool:
-    return os.environ.get(f"OMPI_MCA_mpi_ft_{name}", "").strip().lower() in (
-        "1", "true", "yes", "on")
+    from hpcddp.launch.env import fault_tolerant_job, ft_setting
+    return fault_tolerant_job() and ft_setting("detector") and not ft_setting("detector_thread")
 
 
 if STARTED_HERE:

@@ -652,12 +652,18 @@ class Watchdog:
                     time.sleep(0.01)
             except MPI.Exception:
                 pass
-        for r in sorted(self._suspect & set(self.local_peers)):
-            if pid_state(self.pids[r]) == "alive":
-                _log.log(f"hpcddp: ending rank {r} (pid {self.pids[r]} on {self.host}), which "
-                         f"did not answer: under ULFM nothing else would")
-                os.kill(self.pids[r], signal.SIGKILL)
+        silent = [r for r in sorted(self._suspect & set(self.local_peers))
+                  if pid_state(self.pids[r]) == "alive"]
+        if silent:
+            _log.log(f"hpcddp: ending {self._kill(silent)} on {self.host}, which did not "
+                     f"answer: under ULFM nothing else would")
         self._end_here(None)
+
+    def _kill(self, ranks) -> str:
+        """SIGKILL the processes of RANKS (ranks of this host); returns 'rank 1 (pid N), ...'."""
+        for r in ranks:
+            os.kill(self.pids[r], signal.SIGKILL)
+        return ", ".join(f"rank {r} (pid {self.pids[r]})" for r in ranks)
 
     @staticmethod
     def _end_here(why) -> None:
@@ -693,9 +699,9 @@ class Watchdog:
         except OSError as exc:
             where = f"could not write {path}: {exc}"
         abort = self.settings.policy == "abort"
-        lost = ", ".join(f"{r} (pid {self.pids[r]})" for r in lose)
-        tail = (f"{where}\nelastic: ending rank(s) {lost}, which did not answer, as lost "
-                f"ranks: the job goes on without them (HPCDDP_STALL_POLICY=abort)" if lose else
+        lost = ", ".join(f"rank {r} (pid {self.pids[r]})" for r in lose)
+        tail = (f"{where}\nelastic: ending {lost}, which did not answer, as lost ranks: the "
+                f"job goes on without them (HPCDDP_STALL_POLICY=abort)" if lose else
                 f"{where}\naborting the job (HPCDDP_STALL_POLICY=abort; exit code "
                 f"{_cfg.STALL_EXIT_CODE})" if abort else
                 f"{where}\ngoing on (HPCDDP_STALL_POLICY=warn)" if kind == "audit" else
@@ -707,8 +713,7 @@ class Watchdog:
             pass
         _log.log(text.rstrip("\n") + "\n" + tail)
         if lose and not self._stopping:
-            for r in lose:
-                os.kill(self.pids[r], signal.SIGKILL)
+            self._kill(lose)
         elif abort and not self._stopping:
             self._end_job()
         if kind == "stall":

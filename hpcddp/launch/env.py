@@ -578,10 +578,15 @@ def detect(env: Mapping[str, str] | None = None) -> Optional[LaunchInfo]:
 
 # --------------------------------------------------------------------------- against MPI
 
+def ft_setting(name: str, env=None) -> bool:
+    """Whether Open MPI's ULFM parameter ``mpi_ft_NAME`` is set true in the environment."""
+    value = (os.environ if env is None else env).get(f"OMPI_MCA_mpi_ft_{name}", "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 def fault_tolerant_job(env=None) -> bool:
     """Whether this job runs with ULFM on (Open MPI's ``mpirun --with-ft ulfm`` sets it)."""
-    value = (os.environ if env is None else env).get("OMPI_MCA_mpi_ft_enable", "")
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    return ft_setting("enable", env)
 
 
 def spans_nodes(info: Optional[LaunchInfo]) -> bool:

@@ -21,3 +21,16 @@ def test_the_table_is_the_tests_output():
     measured = sorted(("-" if rec == "None" else f"{float(rec):.1f} s", f"{float(end):.1f} s",
                        status) for _fault, rec, end, status in runs)
     assert table == measured
+
+
+def test_the_heartbeat_cost_table_is_the_committed_runs():
+    """docs/elastic.md's "What it costs when nothing fails" table is what
+    scripts/vcluster/heartbeat_cost.py --table prints from the committed runs."""
+    import subprocess
+    import sys
+    runs = ROOT / "docs/benchmarks/heartbeat-cost/runs.jsonl"
+    table = subprocess.run([sys.executable, str(ROOT / "scripts/vcluster/heartbeat_cost.py"),
+                            "--table", str(runs)], capture_output=True, text=True, check=True,
+                           timeout=60).stdout.strip()
+    assert table.count("\n") == 4, table
+    assert table in (ROOT / "docs/elastic.md").read_text()
