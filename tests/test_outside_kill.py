@@ -425,6 +425,23 @@ def test_ranks_end_when_mpirun_is_killed(tmp_path):
     assert not left, left
 
 
+def test_fault_tolerant_job_peer_killed_in_isend_wait(tmp_path):
+    """Under ``--with-ft ulfm`` (outside elastic mode) ranks 0 and 2 wait on an isend to rank 1,
+    which is SIGKILLed: MPI's Waitall then says only "MPI_ERR_IN_STATUS: error code in status",
+    yet each survivor names the lost rank and ends, and the job ends with nothing left."""
+    job = Job(3, [sys.executable, str(ROOT / "tests" / "scripts" / "p2p_peer_killed.py"), "1"],
+              outfile=tmp_path / "out.txt", timeout=WALL, env=_env(), fault_tolerant=True)
+    job.wait_for(r"\[rank1\] AT PHASE isend pid (\d+)")
+    time.sleep(1)                       # the sends are posted and wait in the rendezvous
+    job.kill(job.ranks()[1], "rank 1")
+    rc, out, after = _ended_cleanly(job)
+    assert rc != 0 and "DONE" not in out, out[-3000:]
+    assert after <= JOB_TIMEOUT, f"{after:.1f} s from the kill to the end:\n{out[-3000:]}"
+    said = re.findall(r"\[rank([02])\] hpcddp: rank 1 of the job lost", out)
+    assert said, out[-3000:]
+    assert "ERR_IN_STATUS" not in out or "uncaught exception" not in out, out[-3000:]
+
+
 @pytest.mark.parametrize("abort", ["on", "default"])
 @pytest.mark.parametrize("mode", ["plain", "elastic"])
 def test_exception_on_one_rank(tmp_path, mode, abort):

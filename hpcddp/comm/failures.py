@@ -35,10 +35,16 @@ def is_process_failure(exc: BaseException, comm=None) -> bool:
         seen.add(id(e))
         if isinstance(e, MPI.Exception):
             try:
-                if e.Get_error_class() in classes:
-                    return True
+                code = e.Get_error_class()
             except Exception:
-                pass
+                code = None
+            if code in classes:
+                return True
+            if code == MPI.ERR_IN_STATUS and comm is None:
+                # a Waitall over requests of which one failed names only "error code in
+                # status" (the class is in a status the caller may not have kept): a process
+                # of the job known failed here is the cause where ULFM is on
+                comm = MPI.COMM_WORLD
         if any(m in str(e) for m in FAILURE_MARKERS):
             return True
         e = e.__cause__ or e.__context__
