@@ -42,6 +42,7 @@ import time
 
 from hpcddp.comm import output as _log
 from hpcddp.comm._mpi import MPI
+from hpcddp.comm.failures import is_process_failure
 from hpcddp.diagnostics import audit as _audit
 from hpcddp.diagnostics import config as _cfg
 from hpcddp.diagnostics import network as _network
@@ -296,8 +297,10 @@ class Watchdog:
                     self._serve()
                     self._check()
                 except Exception as exc:  # the watchdog must never take the job down itself
-                    # in elastic mode a lost peer's MPI error is hpcddp.elastic's to handle
-                    quiet = self.peer_failures_survivable and isinstance(exc, MPI.Exception)
+                    # a lost peer's MPI error (under ULFM) is hpcddp.elastic's to handle, or
+                    # the rank's exit's, which names the lost rank: not the watchdog's error
+                    quiet = isinstance(exc, MPI.Exception) and (
+                        self.peer_failures_survivable or is_process_failure(exc))
                     self._errors += 0 if quiet else 1
                     if not quiet and self._errors <= 3:
                         _log.log(f"hpcddp watchdog: internal error (ignored): "
