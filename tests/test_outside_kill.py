@@ -428,7 +428,8 @@ def test_ranks_end_when_mpirun_is_killed(tmp_path):
 def test_fault_tolerant_job_peer_killed_in_isend_wait(tmp_path):
     """Under ``--with-ft ulfm`` (outside elastic mode) ranks 0 and 2 wait on an isend to rank 1,
     which is SIGKILLed: MPI's Waitall then says only "MPI_ERR_IN_STATUS: error code in status",
-    yet each survivor names the lost rank and ends, and the job ends with nothing left."""
+    yet a survivor that reports names the lost rank (the other may be ended first), none calls
+    it an uncaught exception, and the job ends with nothing left."""
     job = Job(3, [sys.executable, str(ROOT / "tests" / "scripts" / "p2p_peer_killed.py"), "1"],
               outfile=tmp_path / "out.txt", timeout=WALL, env=_env(), fault_tolerant=True)
     job.wait_for(r"\[rank1\] AT PHASE isend pid (\d+)")
@@ -439,7 +440,7 @@ def test_fault_tolerant_job_peer_killed_in_isend_wait(tmp_path):
     assert after <= JOB_TIMEOUT, f"{after:.1f} s from the kill to the end:\n{out[-3000:]}"
     said = re.findall(r"\[rank([02])\] hpcddp: rank 1 of the job lost", out)
     assert said, out[-3000:]
-    assert "ERR_IN_STATUS" not in out or "uncaught exception" not in out, out[-3000:]
+    assert "uncaught exception" not in out, out[-3000:]
 
 
 @pytest.mark.parametrize("abort", ["on", "default"])
