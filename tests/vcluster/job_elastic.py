@@ -3,7 +3,9 @@ network fault should not stop, under `hpcddp launch -- mpirun --with-ft ulfm`.
 
 argv: OUTDIR EPOCHS [HIDDEN]. An MLP (HIDDEN units, default 64; 16384 makes a 2.4 MB gradient
 bucket, which the ring path takes across nodes), 480 samples, global batch 24 (20 steps an epoch), a pause
-per step so that the run outlasts the fault's detection. Rank 0 prints "[rank0] looping"
+per step so that the run outlasts the fault's detection; once the world has recovered (and, where
+a lost rank is to be replaced, grown back) the rest runs without it, so that the test does not
+wait for a minute of sleeps after what it checks. Rank 0 prints "[rank0] looping"
 after 20 steps: the test then injects its fault. Every survivor writes OUTDIR/final.<start-up
 rank>.json at the end: the world it ended in, its host, the steps, the ranks lost and the
 parameters' bytes (hex).
@@ -48,6 +50,12 @@ def main():
     sampler = elastic.ElasticBatchSampler(len(ds), 24, seed=3)
     loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler)
     state = elastic.State(model, opt, sampler)
+    # a replacement joins at the survivors' size: its own start is the full size
+    full = state.size
+
+    def waiting_for_the_fault() -> bool:    # every rank agrees: generation and size are shared
+        return state.generation == 0 or (state.regrow and state.size < full)
+
     for _ in state.epochs(epochs):
         for xb, yb in state.batches(loader):
             with state.step():
@@ -55,7 +63,8 @@ def main():
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-            time.sleep(0.05)
+            if waiting_for_the_fault():
+                time.sleep(0.05)
             if state.global_step == 20 and state.rank == 0:
                 print("[rank0] looping", flush=True)
     blob = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
