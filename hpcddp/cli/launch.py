@@ -15,8 +15,9 @@ its keepalives find the node lost instead, it ends the job but exits 0. Here:
 - PRRTE's keepalives are set (30 s, then 3 probes 10 s apart; PRTE_MCA_oob_tcp_keepalive_*
   in the environment win), except under ULFM (--with-ft ulfm: elastic jobs), where a daemon
   found lost would end the survivors' job too;
-- an elastic job's launcher still running 10 s after every survivor left (it waits for a node
-  that dropped off the network) is ended, with the survivors' status (docs/elastic.md);
+- an elastic job's launcher still running 10 s (or --abort-grace, where smaller) after every
+  survivor left (it waits for a node that dropped off the network) is ended, with the
+  survivors' status (docs/elastic.md);
 - an elastic job that grew back (a replacement rank joined, or none could start) gets its
   ranks' status: Open MPI's mpirun exits 213 or 137 for a replacement's own job;
 - a launcher still running --abort-grace seconds after an abort is ended (SIGTERM twice, then
@@ -37,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="end the job after S seconds (status 124); default: no limit")
     parser.add_argument("--abort-grace", type=float, default=None, metavar="S",
                         help="seconds a launcher may take to end its job after a rank aborted "
-                             "(default 30)")
+                             "(default 30), and after every survivor of an elastic job left "
+                             "(10, or S where smaller)")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
                         help="the launcher command line, after --")
 

@@ -196,7 +196,8 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
     - under ULFM, a launcher that exits 0 though no rank said it ended (every process was
       killed or crashed: PRRTE then exits 0) gets status 1;
     - in an elastic job that lost a node, a launcher still running SURVIVORS_GRACE seconds
-      after every survivor left (it waits for the node) is ended, with the survivors' status;
+      (or ABORT_GRACE, where smaller) after every survivor left (it waits for the node) is
+      ended, with the survivors' status;
       one that exits non-zero for a replacement rank (it could not start one, or one was lost)
       gets the status of the ranks that finished;
       a side of a cut network that stops (no majority) counts as an abort.
@@ -234,7 +235,7 @@ def run_job(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
                 _end_group(proc, signal.SIGKILL)
                 print(f"{name}: killed the job after {timeout:.0f} s (--timeout)", file=sys.stderr)
                 return JOB_TIMED_OUT
-            grace = abort_grace if seen.status is None else SURVIVORS_GRACE
+            grace = abort_grace if seen.status is None else min(abort_grace, SURVIVORS_GRACE)
             if seen.ended_at is not None and now - seen.ended_at > grace:
                 _end_launcher(proc)
                 print(f"{name}: the launcher was still running {grace:.0f} s after "

@@ -100,12 +100,15 @@ def test_launcher_waiting_after_every_survivor_left_is_ended():
 
 def test_survivors_status_and_a_missing_survivor():
     # one survivor failed: its status is the job's
-    res, _ = launch("echo 'elastic: rank 1 of 2 leaves the job, exit 1'; "
-                    "echo 'elastic: rank 0 of 2 leaves the job, exit 0'; sleep 300", timeout=90)
+    res, took = launch("echo 'elastic: rank 1 of 2 leaves the job, exit 1'; "
+                       "echo 'elastic: rank 0 of 2 leaves the job, exit 0'; sleep 300",
+                       "--abort-grace", "1", timeout=90)
     assert res.returncode == 1, res.stderr
-    # one survivor has not left: the launcher is left to end by itself
-    res, _ = launch("echo 'elastic: rank 0 of 2 leaves the job, exit 0'; sleep 12; exit 5",
-                    timeout=90)
+    assert "still running 1 s after every survivor of the elastic job left" in res.stderr
+    assert took < 20
+    # one survivor has not left: the launcher is left to end by itself, past the grace
+    res, _ = launch("echo 'elastic: rank 0 of 2 leaves the job, exit 0'; sleep 4; exit 5",
+                    "--abort-grace", "1", timeout=90)
     assert res.returncode == 5 and "every survivor" not in res.stderr
 
 
