@@ -83,8 +83,10 @@ class Job:
         self.killed: list[tuple[str, int]] = []
         self._out = open(self.outfile, "wb")
         self.t0 = time.monotonic()
+        # run where its output goes: stall reports land beside it, not in the checkout
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     cwd=os.path.dirname(os.path.abspath(self.outfile)))
 
     def output(self) -> str:
         with open(self.outfile, "rb") as f:

@@ -27,6 +27,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -37,6 +38,8 @@ VC = str(ROOT / "scripts" / "vcluster.sh")
 JOBS = ROOT / "tests" / "vcluster"
 NAME, SUBNET = "vct", "10.78.0"      # a cluster of its own: a developer's `vc` cluster is left alone
 NODES = 3
+REPORTS = os.path.join(tempfile.gettempdir(), "hpcddp-vcluster-reports")
+os.makedirs(REPORTS, exist_ok=True)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -45,6 +48,9 @@ def vc_env(name=NAME, subnet=SUBNET) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCDDP_RANKS_PER_NODE",
                                                                      "OMPI_", "PMIX_", "PRTE_"))}
     env.update(VCLUSTER_NAME=name, VCLUSTER_SUBNET=subnet, PYTHONUNBUFFERED="1")
+    # a fault's stall report goes here (the nodes share /tmp), not into the checkout (jobs
+    # pass it on with -x)
+    env.setdefault("HPCDDP_REPORT_DIR", REPORTS)
     # The rsh agent hands PATH to the other nodes: this venv's python, hpcddp and prted first,
     # also when pytest was started without activating it.
     env["PATH"] = os.path.join(sys.prefix, "bin") + os.pathsep + env.get("PATH", "")
@@ -77,7 +83,7 @@ def mpirun(hosts: str, argv, *, timeout=150, btl="tcp,self,sm", extra=()) -> sub
            "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
            "-x", "OMP_NUM_THREADS=1", "-x", "PYTHONUNBUFFERED=1",
            # c10d cannot name the peers of rank 0's TCPStore (no reverse DNS in the nodes): noise
-           "-x", "TORCH_CPP_LOG_LEVEL=ERROR", *extra, *argv]
+           "-x", "TORCH_CPP_LOG_LEVEL=ERROR", "-x", "HPCDDP_REPORT_DIR", *extra, *argv]
     try:
         # TERM first: mpirun then stops its daemons and ranks on the other nodes too
         return vc("run", "node1", "timeout", "-k", "10", str(timeout), *cmd, timeout=timeout + 30)

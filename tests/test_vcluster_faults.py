@@ -122,7 +122,7 @@ def launch_on_nodes(nodes: int, *, ulfm: bool = False, grace: int = 15) -> list:
             "-n", str(nodes), "--bind-to", "none", "--mca", "btl", "tcp,self,sm",
             "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
             "-x", "OMP_NUM_THREADS=1", "-x", "PYTHONUNBUFFERED=1",
-            "-x", "TORCH_CPP_LOG_LEVEL=ERROR"]
+            "-x", "TORCH_CPP_LOG_LEVEL=ERROR", "-x", "HPCDDP_REPORT_DIR"]
 
 
 # What mpirun prints when PRRTE's own start-up fails before any rank runs (seen once in CI,
