@@ -7,7 +7,8 @@
    whose forked workers keep the forkserver alive (they hold the pipe whose end would tell it
    its rank died) while their watchdog watches the forkserver, not the rank: the pair outlived
    a killed rank and held mpirun's output open forever. Multiprocessing's resource tracker is
-   left alone: it cleans up after its parent's end.
+   not tied to the rank: it cleans up after its parent's end, and gets a process group of its
+   own so that a launcher killing the rank's group does not kill it first.
 2. **torchrun's variables under MPI launchers** (below).
 
 A script that reads ``os.environ["LOCAL_RANK"]`` before importing anything finds it under
@@ -50,6 +51,11 @@ def _die_with_the_rank() -> None:
     if not rank.isdigit() or os.getppid() != int(rank) or not sys.platform.startswith("linux"):
         return
     if "multiprocessing.resource_tracker" in " ".join(getattr(sys, "orig_argv", ())):
+        # its own process group: Open MPI's launcher kills a rank's whole group once a rank of
+        # the job died, and the tracker killed there leaves the semaphores of the rank's spawn
+        # and forkserver workers in /dev/shm (sem.mp-*) for good. Alone, it ends as it is made
+        # to: on its pipe's end, when the rank and its workers are gone, after unlinking them.
+        os.setpgid(0, 0)
         return
     import ctypes
     import signal

@@ -396,13 +396,27 @@ def test_pack_killed_leaves_no_partial_shard_under_its_name(tmp_path):
 @pytest.mark.parametrize("mode,start", [("plain", "spawn"), ("elastic", "spawn"),
                                         ("plain", "forkserver")])
 def test_spawned_workers_of_a_killed_rank_end(tmp_path, mode, start):
-    """Workers started by spawn or forkserver inherit none of the rank's hooks; torch's own
-    worker watchdog ends them (within its 5 s poll) once their rank is killed."""
+    """Workers started by spawn or forkserver inherit none of the rank's hooks; they die with
+    their rank (hpcddp-start.pth's PDEATHSIG). Their queues' semaphores, which only each
+    rank's multiprocessing resource tracker unlinks, are gone from /dev/shm too: Open MPI's
+    launcher, ending the plain job, kills each rank's process group, which held the tracker
+    (28 of them were left per job)."""
+    semaphores = _semaphores()
     job = _train(tmp_path, 3, mode, "forward", 1, 1, start)
     _kill(job, 1, "forward", "rank")
     rc, out, after_kill = _ended_cleanly(job)
     assert (rc == 0) == (mode == "elastic"), out[-3000:]
     assert after_kill <= JOB_TIMEOUT + 10, f"{after_kill:.1f} s"
+    left = _semaphores() - semaphores
+    assert not left, f"{len(left)} semaphores of the job left in /dev/shm: {sorted(left)[:5]}"
+
+
+def _semaphores() -> set:
+    """multiprocessing's named semaphores in /dev/shm (spawn and forkserver contexts)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
+    except OSError:
+        return set()
 
 
 def test_demo_terminated_ends_its_job(tmp_path):
