@@ -45,13 +45,13 @@ class BuildWithMPICC(build_ext):
 
     def build_extensions(self):
         configured = (self.mpicc or "").strip() or None
-        mpicc = find_mpicc(configured)
         if configured and not shutil.which(configured):
             print(f"hpcddp: the MPI C compiler {configured!r} (setup.cfg [build_ext] mpicc, or "
                   f"--mpicc) is not an executable: the C modules are not built; hpcddp runs "
                   f"its Python path (`hpcddp info` says which path runs; docs/install.md)",
                   file=sys.stderr)
             return
+        mpicc = find_mpicc(configured)
         if mpicc is None:
             print("hpcddp: no MPI C compiler ($MPICC, mpicc): the C module is not built; "
                   "hpcddp runs its Python path (slower repeat calls). Build it once an MPI is "
