@@ -490,6 +490,37 @@ def test_exception_on_one_rank(tmp_path, mode, abort):
     assert len(finals) == 2 and all(f["lost"] == [1] for f in finals), out[-3000:]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_abort_while_the_launcher_is_slow_to_end_the_job(tmp_path):
+    """A rank's uncaught exception aborts the job (MPI_Abort), and its process is gone before
+    the launcher ends the others (seen in CI on a loaded machine: the others' watchdogs then
+    reported rank 2 as killed from outside, and their own abort won the race). The launcher is
+    stopped here for 3 s the moment rank 2's process is gone: the job must still end as
+    rank 2's abort, exit 1, with no stall report."""
+    script = str(ROOT / "tests" / "scenarios" / "exception_rank.py")
+    job = Job(4, [sys.executable, script, "abort"], outfile=tmp_path / "out.txt", timeout=WALL,
+              env=_env(HPCDDP_TIMEOUT=30, HPCDDP_REPORT_DIR=tmp_path))
+    job.wait_for(r"\[rank2\] stall point")
+    pid = job.ranks()[2]
+    end = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < end:    # no sleep: the launcher acts in moments
+        pass
+    os.kill(job.proc.pid, signal.SIGSTOP)
+    time.sleep(3)
+    os.kill(job.proc.pid, signal.SIGCONT)
+    rc, out, _ = _ended_cleanly(job)
+    assert rc == 1, out[-3000:]
+    assert re.search(r"\[rank2\] ValueError: corrupt sample in batch 3", out), out[-3000:]
+    assert "stall report" not in out and not list(tmp_path.glob("hpcddp-stall-*")), out[-3000:]
+
+
 def test_docs_kill_times_are_the_committed_run():
     """docs/hangs.md's table of kill-to-end times is scripts/outside_kill_times.py's table of
     the committed run (docs/benchmarks/outside-kill.json), and that run left nothing behind."""

@@ -69,6 +69,7 @@ def run_script(script, argv, *, module=None, abort_on_exception=True) -> int:
     import traceback
 
     import hpcddp
+    from hpcddp.diagnostics.abort import abort_job
 
     _locate_embedded_mpi_files()
     rt = hpcddp.init(abort_on_exception=abort_on_exception)
@@ -88,12 +89,12 @@ def run_script(script, argv, *, module=None, abort_on_exception=True) -> int:
     except SystemExit as exc:
         code = _exit_status(exc.code)
         if code != 0 and abort_on_exception and rt.world.size > 1:
-            from hpcddp.comm import MPI, log
+            from hpcddp.comm import log
             log(f"hpcddp run: {script or module} exited with status {code}; aborting the job "
                 f"so that no other rank waits for this one")
             sys.stdout.flush()
             sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(code)
+            abort_job(code)
         if code == 0:
             hpcddp.finalize()
         return code
@@ -110,8 +111,7 @@ def run_script(script, argv, *, module=None, abort_on_exception=True) -> int:
         log(f"uncaught exception in {script or module}, aborting the job:\n{text.rstrip()}")
         sys.stdout.flush()
         sys.stderr.flush()
-        from hpcddp.comm import MPI
-        MPI.COMM_WORLD.Abort(1)
+        abort_job(1)
         return 1
     finally:
         sys.argv = saved_argv

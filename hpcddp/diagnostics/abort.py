@@ -193,8 +193,23 @@ def _abort_with(exc_type, exc, tb, printed: bool = False) -> None:
                 os._exit(ABORT_EXIT_CODE)
             os.kill(os.getpid(), signal.SIGKILL)
         if MPI.Is_initialized() and not MPI.Is_finalized():
-            MPI.COMM_WORLD.Abort(ABORT_EXIT_CODE)
+            abort_job(ABORT_EXIT_CODE)
         sys.exit(1)
+
+
+def abort_job(code: int) -> None:
+    """MPI_Abort on COMM_WORLD with CODE, the other ranks' watchdogs told first: they would
+    see this process gone before MPI's launcher ends them, and report a rank killed from
+    outside (Watchdog.abort_coming)."""
+    from hpcddp.comm._mpi import MPI
+    from hpcddp.diagnostics import running_watchdog
+    wd = running_watchdog()
+    if wd is not None:
+        try:
+            wd.abort_coming()
+        except Exception:  # noqa: BLE001 - nothing may keep the job from ending
+            pass
+    MPI.COMM_WORLD.Abort(code)
 
 
 _end_whole_job = False

@@ -52,10 +52,16 @@ from hpcddp.diagnostics import state as _state
 from hpcddp.launch.env import fault_tolerant_job
 from hpcddp.launch.process import pid_state
 
-TAG_REQ, TAG_STATE, TAG_STALL, TAG_ACK, TAG_AUDIT, TAG_ENDED, TAG_WAITING, TAG_END = range(11, 19)
+(TAG_REQ, TAG_STATE, TAG_STALL, TAG_ACK, TAG_AUDIT, TAG_ENDED, TAG_WAITING, TAG_END,
+ TAG_ABORTING) = range(11, 20)
 # under ULFM the reporter's order to end reaches the others before it ends itself: at most this
 # long to wait for its sends to leave (a peer that does not answer is not waited for)
 END_SEND_WAIT = 1.0
+# a rank about to call MPI_Abort tells the others first (Watchdog.abort_coming): its process
+# then goes, and MPI's launcher ends the job. For this long the others take its death for that
+# abort, not for a kill to report; a job still running after it gets the report
+ABORT_QUIET_S = 5.0
+ABORT_SEND_WAIT = 0.2
 AUDIT_EVERY = 1.0          # seconds between two audits of the recorded calls
 # once a rank's script has ended, the coordinator looks whether another waits in a collective
 # it never called: first this long after, then at doubling gaps up to ENDED_LOOK_MAX
@@ -123,6 +129,7 @@ class Watchdog:
         self._stopping = False
         self._errors = 0
         self._dead_seen: set = set()
+        self._aborting: dict = {}               # rank -> when it said it calls MPI_Abort
         self._exit_reason = None    # report_at_exit's: this rank's script failed, report now
         self.exit_looked = threading.Event()     # ... and the report (if any) is written
         self.exit_stalled = False                # ... where the others wait for this rank
@@ -189,6 +196,30 @@ class Watchdog:
                 or self.peer_failures_survivable:
             return
         self._tell_coordinator(TAG_ENDED)
+
+    def abort_coming(self) -> None:
+        """This rank is about to call MPI_Abort (an uncaught exception, ``hpcddp run``'s
+        failed script): tell the other ranks' watchdogs, which would otherwise see its process
+        gone before MPI's launcher ends them, and report a rank killed from outside."""
+        if self.multiple and self.size > 1:
+            self._tell_everyone(TAG_ABORTING, None, ABORT_SEND_WAIT)
+
+    def _tell_everyone(self, tag: int, obj, wait: float) -> None:
+        """OBJ to every other rank not known to be dead; waits at most WAIT seconds for the
+        sends to leave (a peer that does not answer is not waited for)."""
+        sent = []
+        for r in range(self.size):
+            if r != self.rank and r not in self._suspect:
+                try:     # a rank already gone may fail its send (ULFM); the others not
+                    sent.append(self.diag.isend(obj, dest=r, tag=tag))
+                except MPI.Exception:
+                    pass
+        deadline = time.monotonic() + wait
+        try:
+            while not MPI.Request.Testall(sent) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        except MPI.Exception:
+            pass
 
     def _tell_coordinator(self, tag: int) -> None:
         """TAG (no payload) to the coordinator; the coordinator notes it itself."""
@@ -261,6 +292,8 @@ class Watchdog:
                     self.ledger.add(src, rows, time.monotonic())
                     if final:
                         self._audit_final.add(src)
+                elif tag == TAG_ABORTING:
+                    self._aborting[src] = time.monotonic()
                 elif tag == TAG_END:
                     self._end_here(f"rank {src}'s stall report ends the job "
                                    f"(HPCDDP_STALL_POLICY=abort): this rank ends, exit code "
@@ -319,6 +352,17 @@ class Watchdog:
             return []
         return [r for r in ranks if r in self.local_peers and pid_state(self.pids[r]) == "dead"]
 
+    def _killed_local(self, ranks) -> list:
+        """The dead of RANKS but one that said it calls MPI_Abort (for ABORT_QUIET_S: MPI's
+        launcher is ending the job). Its word left before its process did: the messages are
+        read again before a death is trusted."""
+        dead = self._dead_local(ranks)
+        if dead:
+            self._serve()
+            now = time.monotonic()
+            dead = [r for r in dead if now - self._aborting.get(r, -1e30) > ABORT_QUIET_S]
+        return dead
+
     def local_stall(self, now: float | None = None):
         """(reason, immediate) if this rank is stalled now, else None."""
         timeout = self.settings.timeout
@@ -328,16 +372,19 @@ class Watchdog:
         if not blocked:
             return None
         now = time.monotonic() if now is None else now
-        dead = self._dead_local(self.local_peers)
+        dead = self._killed_local(self.local_peers)
         # in hpcddp's finalize a peer may end an instant before this rank sees the barrier
         # complete (MPI libraries whose MPI_Finalize does not synchronise): a death counts
         # there only when seen twice, a poll apart
         if dead and any(n == "finalize" for n in self._inflight_ops()):
             dead, self._dead_seen = [r for r in dead if r in self._dead_seen], set(dead)
         if dead:
+            aborted = [r for r in dead if r in self._aborting]
             return (f"{_report.ranks_word(dead)} died (process gone: "
                     f"{', '.join(f'pid {self.pids[r]}' for r in dead)}) while rank "
-                    f"{self.rank} waits for the others", True)
+                    f"{self.rank} waits for the others" +
+                    (f" ({_report.ranks_word(aborted)} called MPI_Abort, and the launcher has "
+                     f"not ended the job in {ABORT_QUIET_S:g} s)" if aborted else ""), True)
         activity, stuck, overdue, limit = 0.0, None, 0.0, timeout
         for e in list(_rec.RECORDER.buf):
             if e is None:
@@ -640,21 +687,10 @@ class Watchdog:
         reporter tells every rank to end, SIGKILLs the ranks of its own host that did not answer
         (it knows their PIDs), and ends; each rank's exit code 3 makes mpirun's non-zero."""
         if not fault_tolerant_job():
+            self.abort_coming()
             MPI.COMM_WORLD.Abort(_cfg.STALL_EXIT_CODE)
         if self.multiple:
-            sent = []
-            for r in range(self.size):
-                if r != self.rank and r not in self._suspect:
-                    try:     # a rank already gone may fail its send (ULFM); the others not
-                        sent.append(self.diag.isend(self.rank, dest=r, tag=TAG_END))
-                    except MPI.Exception:
-                        pass
-            deadline = time.monotonic() + END_SEND_WAIT
-            try:
-                while not MPI.Request.Testall(sent) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-            except MPI.Exception:
-                pass
+            self._tell_everyone(TAG_END, self.rank, END_SEND_WAIT)
         silent = [r for r in sorted(self._suspect & set(self.local_peers))
                   if pid_state(self.pids[r]) == "alive"]
         if silent:
