@@ -7,7 +7,8 @@ How it works (docs/hangs.md has the long version):
 - The thread wakes every ``poll`` seconds (a tenth of HPCDDP_TIMEOUT, at most 1 s). A rank is
   *stalled* when one of its threads waits in hpcddp code (an op, a Work, the mismatch check,
   hpcddp's finalize), no op has started or ended on the rank for HPCDDP_TIMEOUT seconds, and
-  an op is in flight. A same-host peer whose process has gone is noticed at once.
+  an op is in flight. A same-host peer whose process has gone is noticed at once (one that
+  said it calls MPI_Abort only ABORT_QUIET_S later: the launcher is ending the job).
 - A stalled rank tells the coordinator (the lowest rank not known to be dead) with a
   non-blocking send. The coordinator asks every rank for its state (in-flight ops, last ops
   per group, Python stacks) with non-blocking point-to-point messages on the diagnostics
