@@ -24,6 +24,7 @@ import time
 
 import pytest
 
+from hpcddp.launch.process import pid_state
 from outside_kill import Job
 from test_data_cli import _pack_folder
 
@@ -498,14 +499,6 @@ def test_exception_on_one_rank(tmp_path, mode, abort):
     assert len(finals) == 2 and all(f["lost"] == [1] for f in finals), out[-3000:]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def test_abort_while_the_launcher_is_slow_to_end_the_job(tmp_path):
     """A rank's uncaught exception aborts the job (MPI_Abort), and its process is gone before
     the launcher ends the others (seen in CI on a loaded machine: the others' watchdogs then
@@ -516,13 +509,15 @@ def test_abort_while_the_launcher_is_slow_to_end_the_job(tmp_path):
     job = Job(4, [sys.executable, script, "abort"], outfile=tmp_path / "out.txt", timeout=WALL,
               env=_env(HPCDDP_TIMEOUT=30, HPCDDP_REPORT_DIR=tmp_path))
     job.wait_for(r"\[rank2\] stall point")
-    pid = job.ranks()[2]
+    pid = job.ranks().get(2)
     end = time.monotonic() + 30
-    while _alive(pid) and time.monotonic() < end:    # no sleep: the launcher acts in moments
-        pass
+    while pid and pid_state(pid) == "alive" and time.monotonic() < end:
+        pass                                # no sleep: the launcher acts in moments
     os.kill(job.proc.pid, signal.SIGSTOP)
-    time.sleep(3)
-    os.kill(job.proc.pid, signal.SIGCONT)
+    try:
+        time.sleep(3)
+    finally:
+        os.kill(job.proc.pid, signal.SIGCONT)
     rc, out, _ = _ended_cleanly(job)
     assert rc == 1, out[-3000:]
     assert re.search(r"\[rank2\] ValueError: corrupt sample in batch 3", out), out[-3000:]

@@ -199,8 +199,8 @@ class Watchdog:
         self._tell_coordinator(TAG_ENDED)
 
     def abort_coming(self) -> None:
-        """This rank is about to call MPI_Abort (an uncaught exception, ``hpcddp run``'s
-        failed script): tell the other ranks' watchdogs, which would otherwise see its process
+        """This rank is about to call MPI_Abort (abort.abort_job: an uncaught exception,
+        ``hpcddp run``'s failed script, the stall policy): tell the other ranks' watchdogs, which would otherwise see its process
         gone before MPI's launcher ends them, and report a rank killed from outside."""
         if self.multiple and self.size > 1:
             self._tell_everyone(TAG_ABORTING, None, ABORT_SEND_WAIT)
@@ -688,8 +688,8 @@ class Watchdog:
         reporter tells every rank to end, SIGKILLs the ranks of its own host that did not answer
         (it knows their PIDs), and ends; each rank's exit code 3 makes mpirun's non-zero."""
         if not fault_tolerant_job():
-            self.abort_coming()
-            MPI.COMM_WORLD.Abort(_cfg.STALL_EXIT_CODE)
+            from hpcddp.diagnostics.abort import abort_job
+            abort_job(_cfg.STALL_EXIT_CODE)
         if self.multiple:
             self._tell_everyone(TAG_END, self.rank, END_SEND_WAIT)
         silent = [r for r in sorted(self._suspect & set(self.local_peers))
