@@ -167,6 +167,42 @@ def test_rank_stopped_from_outside(tmp_path, mode, ulfm):
         assert "hpcddp: ending rank 1 (pid" in out, out[-3000:]
 
 
+@pytest.mark.parametrize("mode", ["plain", "elastic"])
+def test_rank_paused_then_resumed_is_not_ended(tmp_path, mode):
+    """A rank frozen past HPCDDP_TIMEOUT that comes back (a VM descheduled, a node swapping,
+    ``kill -STOP`` then ``-CONT``) while the report is gathered: every rank answers and the
+    stalled all-reduce then completes, so the job is slow, not stuck. The watchdog says so in
+    one line and the job finishes; it must not end a healthy job (before: the report, then
+    MPI_Abort, exit 3, or in elastic mode the end of the whole job)."""
+    timeout = 4         # > 2 x WAIT_LOOK_AFTER would add the early look; only the timeout here
+    job = Job(3, [sys.executable, SCRIPT, str(tmp_path), mode, "backward", "1", "1", "fork"],
+              outfile=tmp_path / "out.txt", timeout=WALL,
+              env=_env(HPCDDP_TIMEOUT=timeout, HPCDDP_PEER_TIMEOUT=40),
+              fault_tolerant=mode == "elastic")
+    job.wait_for(r"\[rank1\] AT PHASE backward pid (\d+)")
+    pid = job.ranks()[1]
+    job.kill(pid, "rank 1", signal.SIGSTOP)
+    (tmp_path / "killed").touch()
+    try:
+        # the peers reach the all-reduce 2 s after "killed", notice at 4 s more, and then wait
+        # up to HPCDDP_PEER_TIMEOUT for rank 1's answer: resumed well inside that window
+        time.sleep(2 + timeout + 6)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    rc, out, _ = _ended_cleanly(job)
+    assert rc == 0, out[-4000:]
+    assert "has gone on since: slow, not stuck" in out, out[-4000:]
+    assert "aborting the job" not in out and "unresponsive" not in out, out[-4000:]
+    assert not list(tmp_path.glob("hpcddp-stall-*.txt"))
+    if mode == "elastic":
+        finals = sorted(int(p.name.split(".")[1]) for p in tmp_path.glob("final.*.json"))
+        assert finals == [0, 1, 2], (finals, out[-3000:])
+        assert all(json.loads((tmp_path / f"final.{r}.json").read_text())["lost"] == []
+                   for r in finals)
+    else:
+        assert all(f"[rank{r}] DONE" in out for r in range(3)), out[-3000:]
+
+
 ELASTIC = [   # (nprocs, phase, target, workers, what)
     (3, "data", 1, 1, "rank"),
     (3, "data", 1, 1, "worker"),

@@ -15,7 +15,8 @@ How it works (docs/hangs.md has the long version):
   communicator, waits at most HPCDDP_PEER_TIMEOUT seconds for the answers (the watchdog
   threads answer even while their main threads sit in a blocking MPI call: mpi4py releases
   the GIL there), names the ranks that did not answer as dead or unresponsive, writes the
-  report to its stderr and to ``hpcddp-stall-<jobid>.txt``, then aborts the job
+  report to its stderr and to ``hpcddp-stall-<jobid>.txt`` (unless every rank answered and the
+  call that passed its timeout has ended since: a paused job, slow, not stuck), then aborts the job
   (HPCDDP_STALL_POLICY=abort, exit code 3) or warns again after another timeout (warn).
 - If the coordinator does not ask within HPCDDP_PEER_TIMEOUT (it is dead), the next lowest
   rank takes over.
@@ -63,6 +64,9 @@ END_SEND_WAIT = 1.0
 # abort, not for a kill to report; a job still running after it gets the report
 ABORT_QUIET_S = 5.0
 ABORT_SEND_WAIT = 0.2
+# a stall raised by a timeout is reported only if its call is still in flight this long after
+# every rank has answered (Watchdog._went_on): a paused job resumes on its own
+WENT_ON_GRACE = 1.0
 AUDIT_EVERY = 1.0          # seconds between two audits of the recorded calls
 # once a rank's script has ended, the coordinator looks whether another waits in a collective
 # it never called: first this long after, then at doubling gaps up to ENDED_LOOK_MAX
@@ -70,6 +74,11 @@ ENDED_LOOK_AFTER, ENDED_LOOK_MAX = 1.0, 16.0
 # a rank that has waited this long in a collective tells the coordinator, which looks (at gaps
 # doubling up to WAIT_LOOK_MAX) whether ranks wait in different calls as the same collective
 WAIT_LOOK_AFTER, WAIT_LOOK_MAX = 2.0, 32.0
+
+
+def _call_of(d: dict) -> list:
+    """One call of a group, as recorder.describe gives it: the same on every rank."""
+    return [d.get("group"), d.get("gen"), d.get("seq"), d.get("op")]
 
 
 class _Look:
@@ -365,7 +374,8 @@ class Watchdog:
         return dead
 
     def local_stall(self, now: float | None = None):
-        """(reason, immediate) if this rank is stalled now, else None."""
+        """(reason, immediate, waits) if this rank is stalled now, else None. WAITS names the
+        call that passed its timeout (rank, group, generation, seq, op), None for a death."""
         timeout = self.settings.timeout
         if timeout is None:
             return None
@@ -385,7 +395,7 @@ class Watchdog:
                     f"{', '.join(f'pid {self.pids[r]}' for r in dead)}) while rank "
                     f"{self.rank} waits for the others" +
                     (f" ({_report.ranks_word(aborted)} called MPI_Abort, and the launcher has "
-                     f"not ended the job in {ABORT_QUIET_S:g} s)" if aborted else ""), True)
+                     f"not ended the job in {ABORT_QUIET_S:g} s)" if aborted else ""), True, None)
         activity, stuck, overdue, limit = 0.0, None, 0.0, timeout
         for e in list(_rec.RECORDER.buf):
             if e is None:
@@ -404,7 +414,8 @@ class Watchdog:
         source = ("the group's timeout= given to torch" if getattr(stuck[_rec.GROUP], "timeout", None)
                   else "HPCDDP_TIMEOUT")
         return (f"rank {self.rank} has waited {d['age']:.1f} s in {_report.op_name(d)} "
-                f"(timeout {limit:g} s: {source})", False)
+                f"(timeout {limit:g} s: {source})", False,
+                {"rank": self.rank, "call": _call_of(d)})
 
     @staticmethod
     def _inflight_ops() -> list:
@@ -452,15 +463,18 @@ class Watchdog:
         if coord == self.rank:
             if now < self._quiet_until and not (local and local[1]):
                 return
-            reason = local[0] if local is not None else notice.get("reason", "?")
-            self._report(reason, now)
+            if local is not None:
+                self._report(local[0], now, local[2])
+            else:
+                self._report(notice.get("reason", "?"), now, notice.get("waits"))
         elif local is not None and self._awaiting is None:
             again = max(self.settings.timeout or 0.0, 3 * self.settings.peer_timeout)
             if now - self._notified_at < again and not local[1]:
                 return
             self._awaiting = (coord, now)
             self._notified_at = now
-            self._send({"reason": local[0], "suspect": sorted(self._suspect)}, coord, TAG_STALL)
+            self._send({"reason": local[0], "waits": local[2], "suspect": sorted(self._suspect)},
+                       coord, TAG_STALL)
 
     # -- the audit (diagnostics.audit) -----------------------------------------------------------
     def _audit_on(self) -> bool:
@@ -617,16 +631,14 @@ class Watchdog:
         with self._lock:
             box = self._replies[qid] = {}
         for r in ranks:
-            if r == self.rank:
-                box[r] = self._snapshot()
-            else:
+            if r != self.rank:
                 self._send((qid,), r, TAG_REQ)
         t_start = time.monotonic()
         deadline = t_start + wait
         while True:
             _rec.tick()
             self._serve()
-            missing = [r for r in ranks if r not in box]
+            missing = [r for r in ranks if r not in box and r != self.rank]
             if not missing or time.monotonic() >= deadline:
                 break
             # don't wait for ranks that cannot answer: same-host processes that are gone, and
@@ -638,6 +650,8 @@ class Watchdog:
         waited = wait - max(0.0, deadline - time.monotonic())
         with self._lock:
             self._replies.pop(qid, None)
+        if self.rank in ranks:      # this rank's own state last: as of the others' answers
+            box[self.rank] = self._snapshot()
         gone = {}
         for r in ranks:
             if r not in box:
@@ -648,13 +662,32 @@ class Watchdog:
                            "pid_state": pid_state(self.pids[r]) if same else "unknown"}
         return dict(box), gone
 
-    def _report(self, reason: str, now: float) -> bool:
+    def _report(self, reason: str, now: float, waits: dict | None = None) -> bool:
         """Ask every rank, and report where the job is stuck (then the policy acts). Returns
-        whether it was."""
+        whether it was. WAITS: the call whose timeout raised it (local_stall), if any."""
         snaps, gone = self.query(list(range(self.size)), self.settings.peer_timeout)
         if self._stopping:
             return False
+        if waits is not None and not gone and self._went_on(snaps, waits):
+            # the machine paused the job (a VM descheduled, swapping, a rank stopped and
+            # resumed), not a stall: every rank answered and the call has ended since. Ending
+            # the job here would end a healthy one; a call that stays stuck is noticed again
+            _log.log(f"hpcddp watchdog: {reason}, but it has gone on since: slow, not stuck "
+                     f"(no report; raise the timeout if this recurs)")
+            return False
         return self._report_from(snaps, gone, reason)
+
+    def _went_on(self, snaps: dict, waits: dict) -> bool:
+        """Whether the call WAITS names has ended on its rank: by SNAPS, or by that rank's
+        answer WENT_ON_GRACE later (ranks resumed together answer before their calls end)."""
+        def ended(snap):
+            return bool(snap) and all(_call_of(d) != list(waits["call"])
+                                      for d in snap.get("inflight", ()))
+        if ended(snaps.get(waits["rank"])):
+            return True
+        time.sleep(WENT_ON_GRACE)
+        again, _ = self.query([waits["rank"]], self.settings.peer_timeout)
+        return not self._stopping and ended(again.get(waits["rank"]))
 
     def _report_from(self, snaps: dict, gone: dict, reason: str) -> bool:
         """Report the job's state from the answers SNAPS (GONE: ranks that gave none)."""
