@@ -211,6 +211,7 @@ ELASTIC = [   # (nprocs, phase, target, workers, what)
     (4, "backward", 3, 1, "rank"),
     (3, "optimizer", 0, 1, "rank"),
     (3, "arena", 1, 0, "rank"),
+    (3, "state", 1, 0, "rank"),      # lost while the job starts: the State recovers as it is built
 ]
 
 
@@ -264,6 +265,35 @@ def _launched(tmp, nprocs, phase, target):
     return Job(0, [], outfile=tmp / "out.txt", timeout=WALL, env=_env(),
                cmd=[sys.executable, "-m", "hpcddp", "launch", "--",
                     *mpirun_command(nprocs, argv, fault_tolerant=True)])
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "hpcddp-launch"])
+def test_elastic_rank_killed_before_mpi_started(tmp_path, launcher):
+    """Rank 1 of an elastic job SIGKILLed while it still imports torch, before MPI_Init: under
+    ``--with-ft ulfm`` Open MPI does not end the job, and the others' MPI_Init waits for it
+    for ever (holding the GIL: no thread of theirs runs). Before: the job ran into its time
+    limit with no line. Now each survivor's start-up guard (hpcddp.launch.start_guard) names
+    rank 1 and ends its rank within seconds, nothing is left, and `hpcddp launch` says the job
+    failed (raw mpirun exits 0 under ULFM whatever its processes did)."""
+    from hpcddp.launch.mpirun import mpirun_command
+    argv = [sys.executable, SCRIPT, str(tmp_path), "elastic", "none", "1", "1", "fork"]
+    cmd = mpirun_command(3, argv, fault_tolerant=True)
+    if launcher == "hpcddp-launch":
+        cmd = [sys.executable, "-m", "hpcddp", "launch", "--", *cmd]
+    job = Job(0, [], outfile=tmp_path / "out.txt", timeout=WALL, env=_env(), cmd=cmd)
+    deadline = time.monotonic() + 60
+    while len(job.ranks()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(job.ranks()) == 3, job.output()[-3000:]
+    job.kill_rank(1)
+    rc, out, after = _ended_cleanly(job)
+    assert after <= 30, f"{after:.1f} s from the kill to the end:\n{out[-3000:]}"
+    said = re.findall(r"\[rank([02])\] hpcddp: rank 1 of this job on \S+ ended before MPI's "
+                      r"start-up completed", out)
+    assert said, out[-3000:]
+    assert "DONE" not in out
+    if launcher == "hpcddp-launch":
+        assert rc == 1 and "no rank of the job said it ended" in out, (rc, out[-3000:])
 
 
 def test_elastic_job_that_lost_every_rank_fails(tmp_path):

@@ -74,10 +74,30 @@ def _detector_needs_pump() -> bool:
     return fault_tolerant_job() and ft_setting("detector") and not ft_setting("detector_thread")
 
 
+def _guard_the_start():
+    """Where ULFM is on, a rank lost before MPI_Init completes would leave the others waiting
+    in it for ever (Open MPI does not end the job): hpcddp.launch.start_guard watches over the
+    start-up from a small process of its own. Elsewhere the launcher ends the job."""
+    from hpcddp.launch.env import LaunchEnvError, detect, fault_tolerant_job
+    if not fault_tolerant_job():
+        return None
+    try:
+        info = detect()
+    except LaunchEnvError:
+        return None         # hpcddp.init reports it
+    if info is None:
+        return None
+    from hpcddp.launch import start_guard
+    return start_guard.start(info.rank, info.size, info.local_rank, info.local_size,
+                             settings.get().timeout)
+
+
+_guard = None
 if STARTED_HERE:
     mpi4py.rc.thread_level = settings.get().thread_level
     _yield_across_nodes()
     _detect_unreachable_ranks()
+    _guard = _guard_the_start()
 
 try:
     from mpi4py import MPI  # noqa: E402
@@ -86,6 +106,9 @@ except RuntimeError as _exc:
     from hpcddp.launch.mpilib import raise_no_mpi
     raise_no_mpi(_exc)
     raise
+finally:
+    if _guard is not None:
+        _guard.done()
 
 if _detector_needs_pump() and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
     from hpcddp.comm import heartbeat

@@ -198,7 +198,6 @@ class State:
             self._hosts.update(joined["hosts"])
             self.generation = joined["generation"]
             self._restore(self.world.world_ranks.index(joined["source"]))
-        self._gather_hosts()
         if fault_injection is None:
             fault_injection = settings.get().elastic_kill
         # a replacement skips the kills up to the step it joined in (its predecessor's)
@@ -210,7 +209,16 @@ class State:
             module.register_forward_pre_hook(lambda *a: self._maybe_die("forward"))
         _watchdog_survives_peers()
         _explain_losses_outside_steps(self)
-        self.model = self._wrap()
+        self.model = None
+        try:
+            self._gather_hosts()
+            self.model = self._wrap()
+        except Exception as exc:
+            # a rank lost while the job starts (before: every survivor ended on the uncaught
+            # MPI error, and mpirun under ULFM exited 0): recover as from a failed step
+            if joined is not None or not is_process_failure(exc, self.world.mpi):
+                raise
+            self.recover(exc)
         if topology_groups:
             from hpcddp.backend import topology_groups as tg
             self.groups = tg()
@@ -636,7 +644,9 @@ def _started_with_spares() -> bool:
 
 def _ranks_on_nodes(ranks, hosts: dict) -> str:
     """"2 on node3", "2, 3 on node3, node4": start-up ranks and their hosts."""
-    names = list(dict.fromkeys(hosts.get(r, "?") for r in ranks))
+    names = list(dict.fromkeys(hosts[r] for r in ranks if r in hosts))
+    if not names:       # lost before the hosts were gathered (while the State was built)
+        return ", ".join(map(str, ranks))
     return f"{', '.join(map(str, ranks))} on {', '.join(names)}"
 
 

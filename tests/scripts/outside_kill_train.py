@@ -5,7 +5,8 @@ argv: OUTDIR MODE PHASE TARGET [WORKERS [START]]
   START: how DataLoader workers start: fork (default on Linux), spawn or forkserver
   PHASE: where TARGET (a rank) is when the test's SIGKILL arrives: data (inside a DataLoader
     worker's __getitem__), forward, backward (inside a gradient-bucket all-reduce), optimizer,
-    eval, checkpoint (inside Checkpointer.save on rank 0), arena (a 4 MiB all_reduce through
+    eval, checkpoint (inside Checkpointer.save on rank 0), state (elastic: before building the
+    hpcddp.elastic.State, which the others build meanwhile), arena (a 4 MiB all_reduce through
     the shared-memory arena or the hierarchical path), collective (just before the user's own
     all_reduce inside state.epochs(), outside state.step(), which its peers then call), raise (no kill: TARGET raises an exception
     in its forward pass while the others wait for it in the gradient all-reduce), none.
@@ -77,6 +78,9 @@ def main():
         ds = Data(240, hold, target)
         loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=workers,
                                              **start)
+        if phase == "state" and me == target:   # the others wait in State's first collective
+            at("state", me)
+            time.sleep(HOLD_S)
         state = elastic.State(model, opt, sampler, ddp_kwargs={"bucket_cap_mb": 0.001})
         ddp = state.model
     else:
