@@ -177,7 +177,9 @@ def test_rank_paused_then_resumed_is_not_ended(tmp_path, mode):
     timeout = 4         # > 2 x WAIT_LOOK_AFTER would add the early look; only the timeout here
     job = Job(3, [sys.executable, SCRIPT, str(tmp_path), mode, "backward", "1", "1", "fork"],
               outfile=tmp_path / "out.txt", timeout=WALL,
-              env=_env(HPCDDP_TIMEOUT=timeout, HPCDDP_PEER_TIMEOUT=40),
+              # EPOCHS: the job runs on for seconds after the resume, as a paused job does
+              # (one ending within a moment of it may end before the answers are read)
+              env=_env(HPCDDP_TIMEOUT=timeout, HPCDDP_PEER_TIMEOUT=40, EPOCHS=8),
               fault_tolerant=mode == "elastic")
     job.wait_for(r"\[rank1\] AT PHASE backward pid (\d+)")
     pid = job.ranks()[1]

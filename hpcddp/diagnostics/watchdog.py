@@ -639,7 +639,9 @@ class Watchdog:
             _rec.tick()
             self._serve()
             missing = [r for r in ranks if r not in box and r != self.rank]
-            if not missing or time.monotonic() >= deadline:
+            # a rank whose script has ended (stop) does not wait for answers: seen, its exit
+            # held up for the rest of HPCDDP_PEER_TIMEOUT by a query the others left unanswered
+            if not missing or time.monotonic() >= deadline or self._stopping:
                 break
             # don't wait for ranks that cannot answer: same-host processes that are gone, and
             # ranks that already let a notice go unacknowledged for HPCDDP_PEER_TIMEOUT
@@ -666,8 +668,6 @@ class Watchdog:
         """Ask every rank, and report where the job is stuck (then the policy acts). Returns
         whether it was. WAITS: the call whose timeout raised it (local_stall), if any."""
         snaps, gone = self.query(list(range(self.size)), self.settings.peer_timeout)
-        if self._stopping:
-            return False
         if waits is not None and not gone and self._went_on(snaps, waits):
             # the machine paused the job (a VM descheduled, swapping, a rank stopped and
             # resumed), not a stall: every rank answered and the call has ended since. Ending
@@ -675,19 +675,24 @@ class Watchdog:
             _log.log(f"hpcddp watchdog: {reason}, but it has gone on since: slow, not stuck "
                      f"(no report; raise the timeout if this recurs)")
             return False
+        if self._stopping:
+            return False
         return self._report_from(snaps, gone, reason)
 
     def _went_on(self, snaps: dict, waits: dict) -> bool:
         """Whether the call WAITS names has ended on its rank: by SNAPS, or by that rank's
-        answer WENT_ON_GRACE later (ranks resumed together answer before their calls end)."""
+        answer WENT_ON_GRACE later (ranks resumed together answer before their calls end).
+        A script that reached its end meanwhile (the watchdog is stopping) went on."""
         def ended(snap):
             return bool(snap) and all(_call_of(d) != list(waits["call"])
                                       for d in snap.get("inflight", ()))
-        if ended(snaps.get(waits["rank"])):
+        if self._stopping or ended(snaps.get(waits["rank"])):
             return True
-        time.sleep(WENT_ON_GRACE)
+        self._stop.wait(WENT_ON_GRACE)
+        if self._stopping:
+            return True
         again, _ = self.query([waits["rank"]], self.settings.peer_timeout)
-        return not self._stopping and ended(again.get(waits["rank"]))
+        return self._stopping or ended(again.get(waits["rank"]))
 
     def _report_from(self, snaps: dict, gone: dict, reason: str) -> bool:
         """Report the job's state from the answers SNAPS (GONE: ranks that gave none)."""

@@ -20,8 +20,8 @@ The rank closes the pipe between them once MPI has started (:meth:`Guard.done`);
 reads its end of file and exits, as it does when the rank has gone. Without ULFM the launcher
 ends the job itself when a rank dies, and no guard runs.
 
-Standard library only, and run with ``python -I``: it must start in milliseconds and never
-touch MPI.
+Standard library only, and run with ``python -I -S`` (no site-packages): it must start in
+milliseconds and never touch MPI.
 """
 from __future__ import annotations
 
@@ -65,10 +65,10 @@ def start(rank: int, size: int | None, local_rank: int | None, local_size: int |
     read_fd, write_fd = os.pipe()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", os.path.abspath(__file__), str(read_fd), str(os.getpid()),
-             str(rank), str(size or 0), str(-1 if local_rank is None else local_rank),
-             str(local_size or 0),
-             namespace, str(limit)],
+            [sys.executable, "-I", "-S", os.path.abspath(__file__), str(read_fd),
+             str(os.getpid()), str(rank), str(size or 0),
+             str(-1 if local_rank is None else local_rank), str(local_size or 0), namespace,
+             str(limit)],
             pass_fds=(read_fd,), stdin=subprocess.DEVNULL, close_fds=True)
     except OSError:
         os.close(write_fd)
@@ -155,9 +155,10 @@ def _watch(fd: int, rank_pid: int, rank: int, size: int, local_rank: int, local_
             missing_since = {r: missing_since.get(r, now) for r in missing}
             dead = sorted(r for r, t in missing_since.items() if now - t >= SETTLE_S)
             if dead:
-                _end(rank_pid, rank, f"{_named(dead, seen, rank, size)} on {host} ended before MPI's "
-                     f"start-up completed (killed from outside, the OOM killer, a crash "
-                     f"before MPI_Init); under --with-ft ulfm MPI does not end the job for it")
+                _end(rank_pid, rank, f"{_named(dead, seen, rank, size)} on {host} ended "
+                     f"before MPI's start-up completed (killed from outside, the OOM killer, "
+                     f"a crash before MPI_Init); under --with-ft ulfm MPI does not end the job "
+                     f"for it")
                 return
         if limit and now - t0 > limit:
             _end(rank_pid, rank, f"MPI's start-up (MPI_Init) has not completed in {limit:g} s "

@@ -14,7 +14,7 @@ At step PAUSE_STEP of epoch 0 (eval: after training) TARGET prints
 ``[rankT] AT PHASE <phase> pid <pid>`` and then waits there: in the phase itself (a sleep), or
 inside a collective whose peers come late: LATE_S after the test has touched OUTDIR/killed
 after its SIGKILL (at most HOLD_S), as when a rank dies in a collective its peers reach later. The test sees the line and sends SIGKILL. The rank never kills itself. Survivors write OUTDIR/final.<rank>.json (elastic) and print
-``[rankR] DONE``. OK_ABORT=default: hpcddp.init() with abort on exception left at its default
+``[rankR] DONE``. EPOCHS: how many epochs (2). OK_ABORT=default: hpcddp.init() with abort on exception left at its default
 (a user's plain script), else abort_on_exception=True.
 """
 import json
@@ -153,7 +153,8 @@ def main():
     if state is None:
         ddp.register_comm_hook(None, hook)
 
-    epochs = state.epochs(2) if state else range(2)
+    rounds = int(os.environ.get("EPOCHS", "2"))
+    epochs = state.epochs(rounds) if state else range(rounds)
     for epoch in epochs:
         if state is None:
             sampler.set_epoch(epoch)

@@ -23,8 +23,9 @@ def _rank(namespace: str, rank: int, local_rank: int) -> subprocess.Popen:
 def _guard(me: subprocess.Popen, rank: int, size: int, local_rank: int, local_size: int,
            namespace: str, limit: float):
     read_fd, write_fd = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-I", GUARD, str(read_fd), str(me.pid), str(rank),
-                             str(size), str(local_rank), str(local_size), namespace, str(limit)],
+    proc = subprocess.Popen([sys.executable, "-I", "-S", GUARD, str(read_fd), str(me.pid),
+                             str(rank), str(size), str(local_rank), str(local_size), namespace,
+                             str(limit)],
                             pass_fds=(read_fd,), stderr=subprocess.PIPE, text=True)
     os.close(read_fd)
     return proc, write_fd
