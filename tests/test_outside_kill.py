@@ -183,6 +183,7 @@ def test_rank_paused_then_resumed_is_not_ended(tmp_path, mode):
               fault_tolerant=mode == "elastic")
     job.wait_for(r"\[rank1\] AT PHASE backward pid (\d+)")
     pid = job.ranks()[1]
+    time.sleep(0.5)     # rank 1 is inside the all-reduce (the others come after "killed")
     job.kill(pid, "rank 1", signal.SIGSTOP)
     (tmp_path / "killed").touch()
     try:

@@ -680,19 +680,30 @@ class Watchdog:
         return self._report_from(snaps, gone, reason)
 
     def _went_on(self, snaps: dict, waits: dict) -> bool:
-        """Whether the call WAITS names has ended on its rank: by SNAPS, or by that rank's
-        answer WENT_ON_GRACE later (ranks resumed together answer before their calls end).
-        A script that reached its end meanwhile (the watchdog is stopping) went on."""
-        def ended(snap):
-            return bool(snap) and all(_call_of(d) != list(waits["call"])
-                                      for d in snap.get("inflight", ()))
-        if self._stopping or ended(snaps.get(waits["rank"])):
+        """Whether the call WAITS names has ended on its rank, by SNAPS; where every member of
+        its group is in it (it can complete: ranks resumed together answer before their
+        calls end), by that rank's answer WENT_ON_GRACE later. A member elsewhere (late, in
+        Python) is a stall now. A script that reached its end meanwhile went on."""
+        call = list(waits["call"])
+
+        def entry(snap):
+            return next((d for d in (snap or {}).get("inflight", ()) if _call_of(d) == call),
+                        None)
+        if self._stopping:
             return True
+        snap = snaps.get(waits["rank"])
+        mine = entry(snap)
+        if snap and mine is None:
+            return True
+        members = (mine or {}).get("ranks") or ()
+        if mine is None or mine["op"] in _rec.P2P_OPS or not members \
+                or any(entry(snaps.get(m)) is None for m in members):
+            return False
         self._stop.wait(WENT_ON_GRACE)
         if self._stopping:
             return True
         again, _ = self.query([waits["rank"]], self.settings.peer_timeout)
-        return self._stopping or ended(again.get(waits["rank"]))
+        return self._stopping or (waits["rank"] in again and entry(again[waits["rank"]]) is None)
 
     def _report_from(self, snaps: dict, gone: dict, reason: str) -> bool:
         """Report the job's state from the answers SNAPS (GONE: ranks that gave none)."""

@@ -218,7 +218,8 @@ class State:
             # MPI error, and mpirun under ULFM exited 0): recover as from a failed step
             if joined is not None or not is_process_failure(exc, self.world.mpi):
                 raise
-            self.recover(exc)
+            self.recover(exc)         # (it builds the topology groups: a replacement builds
+            topology_groups = False   # them once, in its constructor)
         if topology_groups:
             from hpcddp.backend import topology_groups as tg
             self.groups = tg()
