@@ -405,11 +405,11 @@ def test_elastic_job_grows_back_onto_a_spare_node(healed, tmp_path, how):
         cmd += ["-x", "HPCDDP_ELASTIC_SPARES=1"]
         joined = "[rank2] elastic: spare process took rank 2 on node4"
     cmd += [sys.executable, str(ELASTIC_JOB), str(tmp_path), "30"]
-    for attempt in (1, 2):
+    for attempt in (1, 2, 3):      # three tries: PRRTE_CRASHED came twice in a row in CI
         proc, out = start_then_fault(cmd, _vc_env(NAME, SUBNET), ["cut", "node3"])
         rest, _ = proc.communicate(timeout=400)
         out = "".join(out) + rest
-        if attempt == 1 and proc.returncode != 0 and PRRTE_CRASHED in out:
+        if attempt < 3 and proc.returncode != 0 and PRRTE_CRASHED in out:
             print("Open MPI's launcher crashed after the cut, once more:\n" + out[-3000:])
             assert vc("fault", "heal").returncode == 0
             kill_leftovers()
