@@ -15,9 +15,10 @@ How it works (docs/hangs.md has the long version):
   communicator, waits at most HPCDDP_PEER_TIMEOUT seconds for the answers (the watchdog
   threads answer even while their main threads sit in a blocking MPI call: mpi4py releases
   the GIL there), names the ranks that did not answer as dead or unresponsive, writes the
-  report to its stderr and to ``hpcddp-stall-<jobid>.txt`` (unless every rank answered and the
-  call that passed its timeout has ended since: a paused job, slow, not stuck), then aborts the job
-  (HPCDDP_STALL_POLICY=abort, exit code 3) or warns again after another timeout (warn).
+  report to its stderr and to ``hpcddp-stall-<jobid>.txt`` (unless every rank answered and
+  the call that passed its timeout has ended since: a paused job, slow, not stuck), then
+  aborts the job (HPCDDP_STALL_POLICY=abort, exit code 3) or warns again after another
+  timeout (warn).
 - If the coordinator does not ask within HPCDDP_PEER_TIMEOUT (it is dead), the next lowest
   rank takes over.
 - Once a second every rank also sends the collectives it recorded since to the coordinator,
@@ -209,8 +210,9 @@ class Watchdog:
 
     def abort_coming(self) -> None:
         """This rank is about to call MPI_Abort (abort.abort_job: an uncaught exception,
-        ``hpcddp run``'s failed script, the stall policy): tell the other ranks' watchdogs, which would otherwise see its process
-        gone before MPI's launcher ends them, and report a rank killed from outside."""
+        ``hpcddp run``'s failed script, the stall policy): tell the other ranks' watchdogs,
+        which would otherwise see its process gone before MPI's launcher ends them, and
+        report a rank killed from outside."""
         if self.multiple and self.size > 1:
             self._tell_everyone(TAG_ABORTING, None, ABORT_SEND_WAIT)
 

@@ -80,6 +80,8 @@ def start(rank: int, size: int | None, local_rank: int | None, local_size: int |
 
 # -- the guard process -------------------------------------------------------------------------
 def _alive(pid: int) -> bool:
+    # hpcddp.launch.process.pid_state's test, written again: under ``python -I -S`` the guard
+    # cannot import hpcddp (it is not on the path), only the standard library
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")

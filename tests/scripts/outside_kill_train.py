@@ -14,7 +14,8 @@ At step PAUSE_STEP of epoch 0 (eval: after training) TARGET prints
 ``[rankT] AT PHASE <phase> pid <pid>`` and then waits there: in the phase itself (a sleep), or
 inside a collective whose peers come late: LATE_S after the test has touched OUTDIR/killed
 after its SIGKILL (at most HOLD_S), as when a rank dies in a collective its peers reach later. The test sees the line and sends SIGKILL. The rank never kills itself. Survivors write OUTDIR/final.<rank>.json (elastic) and print
-``[rankR] DONE``. EPOCHS: how many epochs (2). OK_ABORT=default: hpcddp.init() with abort on exception left at its default
+``[rankR] DONE``. EPOCHS: how many epochs (2).
+OK_ABORT=default: hpcddp.init() with abort on exception left at its default
 (a user's plain script), else abort_on_exception=True.
 """
 import json
