@@ -129,11 +129,13 @@ def launch_on_nodes(nodes: int, *, ulfm: bool = False, grace: int = 15) -> list:
 # after a fault test's leftovers on a node: its PMIx listener could not start). Such a start
 # is retried once: these tests are about the job's faults, not the launcher's start.
 LAUNCHER_NOT_STARTED = "The PMIx server's listener thread failed to start"
-# Open MPI 5.0.11's launcher (prterun) crashing as a node is cut from a job started with free
-# slots for a grow-back: its PMIx server fails to unpack a request (pmix_server_dyn.c), then
-# loses a daemon and ends the job (status 250, "corrupted size vs. prev_size" or "free():
-# invalid pointer"), before any replacement is spawned. Seen here on 2026-11-28 in about half
-# of the runs of the spawn case, with this session's code and the code before it alike.
+# Open MPI 5.0.11's launcher (prterun) crashing in the PMIx_Connect that ends a spawn whose
+# processes span nodes: PRRTE 3.0.14's connect_release (prted/pmix/pmix_server_dyn.c) reads and
+# destructs the second element of a one-element array, so every such spawn logs its "line
+# 1113" error (a plain mpi4py spawn onto another node does too, no fault, no hpcddp), and
+# whether prterun then dies ("corrupted size vs. prev_size", "free(): invalid pointer", a lost
+# daemon, status 250) depends on what lies past that array in its heap: never in runs of this
+# test alone, every time in the whole suite on 2026-11-29 (docs/elastic.md).
 PRRTE_CRASHED = "prted/pmix/pmix_server_dyn.c"
 
 
@@ -395,7 +397,10 @@ def test_elastic_job_grows_back_onto_a_spare_node(healed, tmp_path, how):
     HPCDDP_ELASTIC_REGROW=1: a replacement is spawned there) or a spare process started with
     the job (`-n 4`, HPCDDP_ELASTIC_SPARES=1). node3 loses its link, ranks 0 and 1 (a
     majority) recover, and rank 2's replacement joins from node4; the job ends at 3 ranks,
-    status 0, parameters equal, nothing left."""
+    status 0, parameters equal, nothing left. The spawn case's rank 0 warns at start that
+    Open MPI 5.0's launcher can crash in a spawn across nodes; where it does so twice (an
+    upstream bug: PRRTE_CRASHED), the test checks that the job ended and left nothing, and
+    xfails."""
     cmd = launch_on_nodes(4, ulfm=True, grace=10)
     if how == "spawn":
         cmd[cmd.index("-n") + 1] = "3"
@@ -405,16 +410,25 @@ def test_elastic_job_grows_back_onto_a_spare_node(healed, tmp_path, how):
         cmd += ["-x", "HPCDDP_ELASTIC_SPARES=1"]
         joined = "[rank2] elastic: spare process took rank 2 on node4"
     cmd += [sys.executable, str(ELASTIC_JOB), str(tmp_path), "30"]
-    for attempt in (1, 2, 3):      # three tries: PRRTE_CRASHED came twice in a row in CI
+    for attempt in (1, 2):
         proc, out = start_then_fault(cmd, _vc_env(NAME, SUBNET), ["cut", "node3"])
         rest, _ = proc.communicate(timeout=400)
         out = "".join(out) + rest
-        if attempt < 3 and proc.returncode != 0 and PRRTE_CRASHED in out:
-            print("Open MPI's launcher crashed after the cut, once more:\n" + out[-3000:])
+        crashed = proc.returncode != 0 and PRRTE_CRASHED in out and joined not in out
+        if attempt == 1 and crashed:
+            print("Open MPI's launcher crashed in the spawn, once more:\n" + out[-3000:])
             assert vc("fault", "heal").returncode == 0
             kill_leftovers()
             continue
         break
+    # the user was told at start (rank 0's line) that a spawn across nodes risks this crash
+    assert ("can crash in such a spawn" in out) == (how == "spawn"), out[-6000:]
+    if crashed:       # the job still ended, and left nothing behind
+        for node in ("node1", "node2", "node4"):
+            assert not left_after_end(node, ELASTIC_JOB), node
+        pytest.xfail("Open MPI 5.0.11's launcher crashed in the spawn's PMIx_Connect across "
+                     "nodes (PRRTE 3.0.14 connect_release, pmix_server_dyn.c), twice: "
+                     + out[-1500:])
     assert proc.returncode == 0, out[-6000:]
     assert "lost rank 2 on node3" in out, out[-6000:]
     assert joined in out, out[-6000:]

@@ -225,6 +225,8 @@ class State:
             self.groups = tg()
         if joined is not None:
             self._joined(joined)
+        elif self.rank == 0 and self.verbose:
+            _warn_of_spawns_across_nodes(self)
 
     # -- what the loop sees ------------------------------------------------------------------
     @property
@@ -654,6 +656,26 @@ def _ranks_on_nodes(ranks, hosts: dict) -> str:
 MINORITY_EXIT = 1
 # spawn attempts in one recovery (a replacement lost while joining is replaced again)
 MAX_SPAWN_TRIES = 3
+# Open MPI 5.0's launcher (PRRTE 3.0.14) reads and frees past a one-element array in the
+# PMIx_Connect that ends every MPI_Comm_spawn whose processes span nodes (connect_release in
+# prted/pmix/pmix_server_dyn.c; Open MPI asks for no context id, so the array has one
+# element): a plain mpi4py spawn onto another node logs its "pmix_server_dyn.c at line 1113"
+# error, and whether the launcher then dies depends on its heap (docs/elastic.md).
+SPAWN_ACROSS_NODES_LINE = (
+    "elastic: a replacement for a lost rank is spawned (MPI_Comm_spawn) and this job spans "
+    "{nodes} nodes: Open MPI 5.0's launcher can crash in such a spawn and end the job "
+    "(docs/elastic.md, \"Open MPI's launcher can crash here\"); spare processes started with "
+    "the job (HPCDDP_ELASTIC_SPARES) spawn nothing")
+
+
+def _warn_of_spawns_across_nodes(state) -> None:
+    """One line at start where a loss would be answered by a spawn across nodes under Open
+    MPI 5.0 (SPAWN_ACROSS_NODES_LINE)."""
+    nodes = len(set(state._hosts.values()))
+    if (state.regrow and not _started_with_spares() and nodes > 1
+            and state._rt.mpi_version.startswith("Open MPI v5.0")):
+        from hpcddp.comm import output as _log
+        _log.log(SPAWN_ACROSS_NODES_LINE.format(nodes=nodes))
 # a spare's line once it took a lost rank's place (the launcher need not read it: a spare is
 # a process of the job's own launch, unlike a spawned replacement)
 SPARE_LINE = "elastic: spare process took rank {rank} on"
