@@ -103,3 +103,45 @@ def test_elastic_template_rank_killed_survivors_finish(slurm, tmp_path):
     assert "elastic: lost rank 1" in log
     finals = [json.loads((tmp_path / f"final.{r}.json").read_text()) for r in (0, 2, 3)]
     assert all(f["params"] == finals[0]["params"] and f["size"] == 3 for f in finals)
+
+
+def test_user_srun_step_rank_killed_before_mpi_started_ends_the_step(slurm, tmp_path):
+    """A batch script as users write it, `srun --mpi=pmix python train.py` without
+    --kill-on-bad-exit: srun waits for the other tasks, and before hpcddp's start-up guard
+    they waited in MPI_Init until the time limit (probed: 3 min of 3). Rank 1 is SIGKILLed
+    while it imports torch: its node-mate's guard ends the step (scancel), naming the lost
+    rank, within seconds; nothing is left."""
+    tag = uuid.uuid4().hex[:12]
+    script = tmp_path / "user.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"#SBATCH -N 2 --ntasks-per-node 2 -t 5 -o {tmp_path}/user-%j.out -J hpcddp-user-srun\n"
+        f". {shlex.quote(sys.prefix)}/bin/activate\n"
+        f"export {MARK}={tag} HPCDDP_TIMEOUT=10 PYTHONUNBUFFERED=1\n"
+        f"srun --mpi=pmix python {SCRIPT} {tmp_path} plain none 1 1 fork\n")
+    res = sh(["sbatch", "--parsable", str(script)], 60, cwd=tmp_path)
+    assert res.returncode == 0, f"sbatch failed: {res.stderr}"
+    job = SlurmJob(res.stdout.strip().split(";")[0], tmp_path, "user-*.out")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            pid = _rank_pid(tag, 1, job)
+            break
+        except AssertionError:
+            time.sleep(0.05)
+    else:
+        pytest.fail(f"rank 1 did not start in 120 s (state {job.state()}):\n{job.logs()[-3000:]}")
+    time.sleep(0.3)                  # torch's import takes seconds: before MPI_Init
+    os.kill(pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    recs = job.wait(timeout=200)
+    after = time.monotonic() - t_kill
+    log = job.logs()
+    assert recs and recs[0]["JobState"] != "TIMEOUT", log[-3000:]
+    assert after <= 60, f"{after:.1f} s from the kill to the job's end:\n{log[-3000:]}"
+    assert re.search(r"\[rank0\] hpcddp: the job's local rank 1 on node\d ended before MPI's "
+                     r"start-up completed", log), log[-3000:]
+    deadline = time.monotonic() + 10
+    while job_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not job_processes(tag), f"processes of the job left: {job_processes(tag)}"

@@ -75,21 +75,26 @@ def _detector_needs_pump() -> bool:
 
 
 def _guard_the_start():
-    """Where ULFM is on, a rank lost before MPI_Init completes would leave the others waiting
-    in it for ever (Open MPI does not end the job): hpcddp.launch.start_guard watches over the
-    start-up from a small process of its own. Elsewhere the launcher ends the job."""
+    """Where ULFM is on, or srun started the ranks, a rank lost before MPI_Init completes would
+    leave the others waiting in it for ever (Open MPI under ULFM does not end the job, srun
+    without --kill-on-bad-exit waits for the other tasks): hpcddp.launch.start_guard watches
+    over the start-up from a small process of its own. Plain mpirun ends the job itself."""
     from hpcddp.launch.env import LaunchEnvError, detect, fault_tolerant_job
-    if not fault_tolerant_job():
-        return None
     try:
         info = detect()
     except LaunchEnvError:
         return None         # hpcddp.init reports it
-    if info is None:
+    ft = fault_tolerant_job()
+    if info is None or not (ft or info.launcher == "slurm"):
         return None
+    step = ""
+    job, step_id, node = (os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID",
+                                                        "SLURM_NODEID"))
+    if info.launcher == "slurm" and job and step_id and node:
+        step = f"{job}.{step_id}:{node}"
     from hpcddp.launch import start_guard
     return start_guard.start(info.rank, info.size, info.local_rank, info.local_size,
-                             settings.get().timeout)
+                             settings.get().timeout if ft else None, step)
 
 
 _guard = None

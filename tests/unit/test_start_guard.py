@@ -117,3 +117,47 @@ def test_no_guard_without_anything_to_watch(monkeypatch):
     finally:
         guard.done()
     assert guard.proc.returncode == 0
+
+
+def _task(job: str, rank: int, node: int, local_rank: int) -> subprocess.Popen:
+    """A stand-in task of srun step JOB.0 (no PMIx: srun --mpi=pmi2 sets none)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMIX_", "SLURM_"))}
+    env.update(SLURM_JOB_ID=job, SLURM_STEP_ID="0", SLURM_NODEID=str(node),
+               SLURM_PROCID=str(rank), SLURM_LOCALID=str(local_rank))
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+
+
+def test_a_task_lost_in_an_srun_step_ends_the_step(tmp_path):
+    """srun without --kill-on-bad-exit waits for the other tasks, which wait in MPI_Init: the
+    guard that sees a task of its node gone ends the whole step (scancel), then its rank. The
+    other node's tasks share this /proc (as a test cluster's slurmds do) and are not taken for
+    this node's."""
+    job = str(900000 + os.getpid() % 99999)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scancel").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/scancel.args\n")
+    (bin_dir / "scancel").chmod(0o755)
+    tasks = {0: _task(job, 0, 0, 0), 1: _task(job, 1, 0, 1),
+             2: _task(job, 2, 1, 0), 3: _task(job, 3, 1, 1)}
+    try:
+        time.sleep(0.3)
+        tasks[1].kill()
+        tasks[1].wait()
+        read_fd, write_fd = os.pipe()
+        guard = subprocess.Popen(
+            [sys.executable, "-I", "-S", GUARD, str(read_fd), str(tasks[0].pid), "0", "4", "0",
+             "2", f"step:{job}.0:0", "0"], pass_fds=(read_fd,), stderr=subprocess.PIPE,
+            text=True, env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}"))
+        os.close(read_fd)
+        assert _wait_gone(guard, 20), "the guard did not act"
+        err = guard.stderr.read()
+        assert "[rank0] hpcddp: the job's local rank 1 on" in err, err
+        assert "srun without --kill-on-bad-exit does not end the step for it" in err, err
+        assert (tmp_path / "scancel.args").read_text().split() == ["--signal=KILL", f"{job}.0"]
+        assert _wait_gone(tasks[0], 5) and tasks[0].returncode == -9
+        assert all(tasks[r].poll() is None for r in (2, 3)), "another node's task was ended"
+        os.close(write_fd)
+    finally:
+        for p in tasks.values():
+            p.kill()
+            p.wait()
