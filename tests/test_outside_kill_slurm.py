@@ -122,20 +122,24 @@ def test_user_srun_step_rank_killed_before_mpi_started_ends_the_step(slurm, tmp_
     res = sh(["sbatch", "--parsable", str(script)], 60, cwd=tmp_path)
     assert res.returncode == 0, f"sbatch failed: {res.stderr}"
     job = SlurmJob(res.stdout.strip().split(";")[0], tmp_path, "user-*.out")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            pid = _rank_pid(tag, 1, job)
-            break
-        except AssertionError:
-            time.sleep(0.05)
-    else:
-        pytest.fail(f"rank 1 did not start in 120 s (state {job.state()}):\n{job.logs()[-3000:]}")
-    time.sleep(0.3)                  # torch's import takes seconds: before MPI_Init
-    os.kill(pid, signal.SIGKILL)
-    t_kill = time.monotonic()
-    recs = job.wait(timeout=200)
-    after = time.monotonic() - t_kill
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                pid = _rank_pid(tag, 1, job)
+                break
+            except AssertionError:
+                time.sleep(0.05)
+        else:
+            pytest.fail(f"rank 1 did not start in 120 s (state {job.state()}):\n"
+                        f"{job.logs()[-3000:]}")
+        time.sleep(0.3)                  # torch's import takes seconds: before MPI_Init
+        os.kill(pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        recs = job.wait(timeout=200)
+        after = time.monotonic() - t_kill
+    finally:                             # a hung job must not hold the nodes for later tests
+        sh(["scancel", job.id], 30)
     log = job.logs()
     assert recs and recs[0]["JobState"] != "TIMEOUT", log[-3000:]
     assert after <= 60, f"{after:.1f} s from the kill to the job's end:\n{log[-3000:]}"

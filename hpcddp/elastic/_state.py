@@ -676,6 +676,8 @@ def _warn_of_spawns_across_nodes(state) -> None:
             and state._rt.mpi_version.startswith("Open MPI v5.0")):
         from hpcddp.comm import output as _log
         _log.log(SPAWN_ACROSS_NODES_LINE.format(nodes=nodes))
+
+
 # a spare's line once it took a lost rank's place (the launcher need not read it: a spare is
 # a process of the job's own launch, unlike a spawned replacement)
 SPARE_LINE = "elastic: spare process took rank {rank} on"

@@ -98,27 +98,32 @@ def _alive(pid: int) -> bool:
 
 
 _LOCAL_RANK_VARIABLES = (b"OMPI_COMM_WORLD_LOCAL_RANK", b"SLURM_LOCALID")
+_WORLD_RANK_VARIABLES = (b"PMIX_RANK", b"SLURM_PROCID")
 _SCANCEL = ("scancel", "--signal=KILL")
 
 
-_WORLD_RANK_VARIABLES = (b"PMIX_RANK", b"SLURM_PROCID")
+def _slurm_step(launch: str) -> tuple:
+    """(JOB.STEP, NODE) of LAUNCH "step:JOB.STEP:NODE" (an srun step), or ("", "")."""
+    if not launch.startswith("step:"):
+        return "", ""
+    return tuple(launch[5:].rsplit(":", 1))
 
 
 def _launch_marks(launch: str) -> list:
     """The environment entries every process of LAUNCH on this node has: a PMIx namespace, or
     "step:JOB.STEP:NODE" (an srun step, whichever MPI plugin it uses; the node too: a test
     cluster's slurmds may share one host's /proc)."""
-    if launch.startswith("step:"):
-        job_step, node = launch[5:].rsplit(":", 1)
-        job, step = job_step.split(".", 1)
-        return [b"SLURM_JOB_ID=" + job.encode(), b"SLURM_STEP_ID=" + step.encode(),
+    step, node = _slurm_step(launch)
+    if step:
+        job, step_id = step.split(".", 1)
+        return [b"SLURM_JOB_ID=" + job.encode(), b"SLURM_STEP_ID=" + step_id.encode(),
                 b"SLURM_NODEID=" + node.encode()]
     return [b"PMIX_NAMESPACE=" + launch.encode()]
 
 
 def local_ranks_alive(launch: str) -> dict:
     """{local rank: world rank} of the live processes of LAUNCH (a PMIx namespace, or
-    "step:JOB.STEP") on this node."""
+    "step:JOB.STEP:NODE") on this node."""
     found = {}
     marks = _launch_marks(launch)
     for name in os.listdir("/proc"):
@@ -157,7 +162,7 @@ def _named(dead: list, seen: dict, rank: int, size: int) -> str:
 
 
 def _end(rank_pid: int, rank: int, why: str, launch: str = "") -> None:
-    step = launch[5:].rsplit(":", 1)[0] if launch.startswith("step:") else ""
+    step, _ = _slurm_step(launch)
     what = (f"ending the job step ({' '.join(_SCANCEL)} {step}) and this rank (pid "
             f"{rank_pid})" if step else f"ending this rank (pid {rank_pid})")
     print(f"[rank{rank}] hpcddp: {why}: {what}, which waits in MPI's start-up (MPI_Init) and "
