@@ -143,7 +143,10 @@ def test_user_srun_step_rank_killed_before_mpi_started_ends_the_step(slurm, tmp_
     log = job.logs()
     assert recs and recs[0]["JobState"] != "TIMEOUT", log[-3000:]
     assert after <= 60, f"{after:.1f} s from the kill to the job's end:\n{log[-3000:]}"
-    assert re.search(r"\[rank0\] hpcddp: the job's local rank 1 on node\d ended before MPI's "
+    # named by its world rank where this Slurm lists a node's task ids (SLURM_GTIDS)
+    gtids = sh(["srun", "-N1", "-n1", "printenv", "SLURM_GTIDS"], 60).stdout.strip()
+    lost = "rank 1" if gtids else "the job's local rank 1"
+    assert re.search(rf"\[rank0\] hpcddp: {lost} on node\d ended before MPI's "
                      r"start-up completed", log), log[-3000:]
     deadline = time.monotonic() + 10
     while job_processes(tag) and time.monotonic() < deadline:

@@ -148,11 +148,21 @@ def local_ranks_alive(launch: str) -> dict:
     return found
 
 
+def _slurm_world_ranks(launch: str) -> dict:
+    """{local rank: world rank} of this node's tasks in an srun step, from SLURM_GTIDS (the
+    step's task ids on this node, in local-rank order; Slurm 22.05 sets it, later ones may
+    not): a task killed before the guard first looked is then still named by its rank."""
+    if not _slurm_step(launch)[0]:
+        return {}
+    ids = os.environ.get("SLURM_GTIDS", "").split(",")
+    return {i: int(g) for i, g in enumerate(ids) if g.strip().isdigit()}
+
+
 def _named(dead: list, seen: dict, rank: int, size: int) -> str:
     """"rank 1" for DEAD local ranks. The launcher numbers a node's ranks in its own order
     (local rank 2 may be world rank 1) and a rank that died before the guard looked was never
     seen: on one node the world ranks not seen alive are the dead ones; across nodes a rank
-    is named by its world rank where it was seen, else by its local rank."""
+    is named by its world rank where it was seen (or srun said it), else by its local rank."""
     if size and len(set(seen) | set(dead)) == size:          # every rank is on this node
         gone = sorted(set(range(size)) - set(seen.values()) - {rank})
         if len(gone) == len(dead):
@@ -182,7 +192,7 @@ def _watch(fd: int, rank_pid: int, rank: int, size: int, local_rank: int, local_
            launch: str, limit: float) -> None:
     t0 = time.monotonic()
     missing_since: dict = {}
-    seen: dict = {}
+    seen: dict = _slurm_world_ranks(launch)
     host = os.uname().nodename
     while True:
         ready, _, _ = select.select([fd], [], [], PERIOD_S)

@@ -9,6 +9,8 @@ import sys
 import time
 import uuid
 
+import pytest
+
 from hpcddp.launch import start_guard
 
 GUARD = start_guard.__file__
@@ -127,35 +129,42 @@ def _task(job: str, rank: int, node: int, local_rank: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
 
 
-def test_a_task_lost_in_an_srun_step_ends_the_step(tmp_path):
+@pytest.mark.parametrize("gtids", ["0,2", None], ids=["SLURM_GTIDS", "no-SLURM_GTIDS"])
+def test_a_task_lost_in_an_srun_step_ends_the_step(tmp_path, gtids):
     """srun without --kill-on-bad-exit waits for the other tasks, which wait in MPI_Init: the
     guard that sees a task of its node gone ends the whole step (scancel), then its rank. The
     other node's tasks share this /proc (as a test cluster's slurmds do) and are not taken for
-    this node's."""
+    this node's. The lost task died before the guard first looked: it is named by its world
+    rank where Slurm lists the node's task ids (SLURM_GTIDS; here a cyclic distribution, so
+    local rank 1 is world rank 2), else by its local rank."""
     job = str(900000 + os.getpid() % 99999)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scancel").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/scancel.args\n")
     (bin_dir / "scancel").chmod(0o755)
-    tasks = {0: _task(job, 0, 0, 0), 1: _task(job, 1, 0, 1),
-             2: _task(job, 2, 1, 0), 3: _task(job, 3, 1, 1)}
+    tasks = {0: _task(job, 0, 0, 0), 2: _task(job, 2, 0, 1),
+             1: _task(job, 1, 1, 0), 3: _task(job, 3, 1, 1)}
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_GTIDS"}
+    if gtids:
+        env["SLURM_GTIDS"] = gtids
     try:
         time.sleep(0.3)
-        tasks[1].kill()
-        tasks[1].wait()
+        tasks[2].kill()
+        tasks[2].wait()
         read_fd, write_fd = os.pipe()
         guard = subprocess.Popen(
             [sys.executable, "-I", "-S", GUARD, str(read_fd), str(tasks[0].pid), "0", "4", "0",
              "2", f"step:{job}.0:0", "0"], pass_fds=(read_fd,), stderr=subprocess.PIPE,
-            text=True, env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}"))
+            text=True, env=dict(env, PATH=f"{bin_dir}:{os.environ['PATH']}"))
         os.close(read_fd)
         assert _wait_gone(guard, 20), "the guard did not act"
         err = guard.stderr.read()
-        assert "[rank0] hpcddp: the job's local rank 1 on" in err, err
+        lost = "rank 2" if gtids else "the job's local rank 1"
+        assert f"[rank0] hpcddp: {lost} on" in err, err
         assert "srun without --kill-on-bad-exit does not end the step for it" in err, err
         assert (tmp_path / "scancel.args").read_text().split() == ["--signal=KILL", f"{job}.0"]
         assert _wait_gone(tasks[0], 5) and tasks[0].returncode == -9
-        assert all(tasks[r].poll() is None for r in (2, 3)), "another node's task was ended"
+        assert all(tasks[r].poll() is None for r in (1, 3)), "another node's task was ended"
         os.close(write_fd)
     finally:
         for p in tasks.values():
