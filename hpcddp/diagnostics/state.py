@@ -16,12 +16,14 @@ from hpcddp.diagnostics import recorder as _rec
 
 _HPCDDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # code a thread sits in while it waits for other ranks: an op, its Work, the mismatch check,
-# hpcddp's finalize; mpi4py's pickle-5 object collectives; the ring's TCP links (their poll)
+# hpcddp's finalize; mpi4py's pickle-5 object collectives; the ring's TCP links (their poll);
+# a path's private duplicate of the group's communicator (MPI_Comm_dup, made inside an op's
+# first call: a peer stopped before it once left the others there unseen by the watchdog)
 _BLOCKING_DIRS = tuple(os.path.join(_HPCDDP_DIR, d) + os.sep
                        for d in ("collectives", "backend", "diagnostics")) + tuple(
     # hpcddp stage's own MPI calls (hpcddp.data._comm.watched holds them in the recorder)
-    os.path.join(_HPCDDP_DIR, "data", f) for f in ("staging.py", "_staging_")) + (
-    os.path.join(_HPCDDP_DIR, "comm", "links.py"),)
+    os.path.join(_HPCDDP_DIR, "data", f) for f in ("staging.py", "_staging_")) + tuple(
+    os.path.join(_HPCDDP_DIR, "comm", f) for f in ("links.py", "communicator.py"))
 _NOT_USER = ("<frozen", "<string>")
 STACK_LIMIT = 24   # frames per stack in a report
 

@@ -56,6 +56,11 @@ CASES = [
              r"rank 2 has not called all_reduce #6 on WORLD: it is in Python at "
              r"skip_collective\.py:\d+ \(in slow_python\)",
          )),
+    Case("skip_first_all_gather", "skip_collective.py", 3, args=("first_all_gather",), expect=(
+        r"ranks 0,1 have waited [\d.]+ s in all_gather #6 \(shape=\[256\], float32\) on WORLD",
+        r"rank 2 has not called all_gather #6 on WORLD: it is in Python at "
+        r"skip_collective\.py:\d+ \(in slow_python\)",
+    )),
     Case("mismatch_detail", "mismatch.py", 4, env={"HPCDDP_DEBUG": "detail"}, rc=(5,),
          report=False, no_report=True, expect=(
              r"rank 1 called broadcast\(src=0, shape=\[4\]\) while ranks 0,2,3 called "
