@@ -167,6 +167,37 @@ def test_rank_stopped_from_outside(tmp_path, mode, ulfm):
         assert "hpcddp: ending rank 1 (pid" in out, out[-3000:]
 
 
+@pytest.mark.parametrize("launcher", ["mpirun", "ulfm"])
+def test_rank_stopped_while_the_job_starts(tmp_path, launcher):
+    """SIGSTOP to rank 1 while it still imports torch, before hpcddp or MPI has started in it
+    and before any watchdog runs: the others wait for it in MPI_Init. Before, the job waited
+    until its time limit under plain mpirun too (found by stopping ranks at random times).
+    Now the start-up guard of its node-mate names it after HPCDDP_TIMEOUT and ends it, and the
+    launcher (under ULFM: the others' guards) ends the job, nothing left."""
+    timeout = 5
+    argv = [sys.executable, SCRIPT, str(tmp_path), "plain", "none", "1", "1", "fork"]
+    job = Job(3, argv, outfile=tmp_path / "out.txt", timeout=WALL,
+              env=_env(HPCDDP_TIMEOUT=timeout), fault_tolerant=launcher == "ulfm")
+    deadline = time.monotonic() + 60
+    while len(job.ranks()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(job.ranks()) == 3, job.output()[-3000:]
+    pid = job.ranks()[1]
+    job.kill(pid, "rank 1", signal.SIGSTOP)
+    rc, out, after = _ended_cleanly(job)
+    assert after <= timeout + 15, f"{after:.1f} s from the SIGSTOP to the end:\n{out[-3000:]}"
+    assert re.search(rf"\[rank[02]\] hpcddp: rank 1 \(pid {pid} on \S+\) has been stopped "
+                     rf"\(state T: SIGSTOP, kill -STOP\) for \d+ s while the job starts "
+                     rf"\(before MPI_Init; HPCDDP_TIMEOUT={timeout} s\), and the other ranks wait "
+                     rf"for it: ending it \(SIGKILL\)", out), out[-3000:]
+    assert "DONE" not in out
+    if launcher == "mpirun":
+        assert rc != 0 and "process rank 1 " in out, (rc, out[-3000:])
+    else:       # the others' guards see rank 1 gone (mpirun --with-ft ulfm itself exits 0)
+        assert re.search(r"\[rank[02]\] hpcddp: rank 1 (of this job )?on \S+ ended before MPI's "
+                         r"start-up completed", out), out[-3000:]
+
+
 @pytest.mark.parametrize("mode", ["plain", "elastic"])
 def test_rank_paused_then_resumed_is_not_ended(tmp_path, mode):
     """A rank frozen past HPCDDP_TIMEOUT that comes back (a VM descheduled, a node swapping,

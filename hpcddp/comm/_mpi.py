@@ -75,18 +75,20 @@ def _detector_needs_pump() -> bool:
 
 
 def _guard_the_start():
-    """Where ULFM is on, or srun started the ranks, a rank lost before MPI_Init completes would
-    leave the others waiting in it for ever (Open MPI under ULFM does not end the job, srun
-    without --kill-on-bad-exit waits for the other tasks): hpcddp.launch.start_guard watches
-    over the start-up from a small process of its own. Plain mpirun ends the job itself."""
+    """hpcddp.launch.start_guard watches over the start-up from a small process of its own,
+    until hpcddp's watchdog runs (:func:`started`): a rank stopped from outside (SIGSTOP) for
+    HPCDDP_TIMEOUT is ended, under every launcher; where ULFM is on, or srun started the
+    ranks, a rank lost before MPI_Init completes would leave the others waiting in it for
+    ever (Open MPI under ULFM does not end the job, srun without --kill-on-bad-exit waits for
+    the other tasks): the guard ends the job. Plain mpirun ends the job itself on a loss."""
     from hpcddp.launch.env import LaunchEnvError, detect, fault_tolerant_job
     try:
         info = detect()
     except LaunchEnvError:
         return None         # hpcddp.init reports it
+    if info is None:
+        return None         # a singleton: nothing waits for it
     ft = fault_tolerant_job()
-    if info is None or not (ft or info.launcher == "slurm"):
-        return None
     step = ""
     job, step_id, node = (os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID",
                                                         "SLURM_NODEID"))
@@ -94,7 +96,16 @@ def _guard_the_start():
         step = f"{job}.{step_id}:{node}"
     from hpcddp.launch import start_guard
     return start_guard.start(info.rank, info.size, info.local_rank, info.local_size,
-                             settings.get().timeout if ft else None, step)
+                             settings.get().timeout, fault_tolerant=ft, slurm_step=step,
+                             act_on_lost=ft or info.launcher == "slurm")
+
+
+def started() -> None:
+    """hpcddp has started and its watchdog runs: the start-up guard's watch ends."""
+    global _guard
+    if _guard is not None:
+        _guard.done()
+        _guard = None
 
 
 _guard = None
@@ -113,7 +124,7 @@ except RuntimeError as _exc:
     raise
 finally:
     if _guard is not None:
-        _guard.done()
+        _guard.mpi_started()
 
 if _detector_needs_pump() and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
     from hpcddp.comm import heartbeat

@@ -20,6 +20,7 @@ import hpcddp
 from hpcddp import settings
 from hpcddp.comm import output as _log
 from hpcddp.comm import heartbeat, spares
+from hpcddp.comm import _mpi
 from hpcddp.comm._mpi import MPI
 from hpcddp.comm.communicator import Communicator
 from hpcddp.comm.failures import end_process, lost_rank_named, lost_ranks, ranks_text
@@ -93,6 +94,7 @@ def init(*, abort_on_exception: bool | None = None,
     # e.g. the watchdog (stall reports): started by the first init on every rank (a
     # collective), later calls only change its timeout
     _run_hooks(hpcddp.ON_MPI_START, rt, timeout=timeout, abort_on_exception=abort_on_exception)
+    _mpi.started()      # the watchdog runs: the start-up guard's watch is over
     if set_cuda_device and rt.cuda_device is None:
         spare = rt.joined is not None and rt.joined.get("spare")
         # a spare joins a node whose ranks hold their devices: it takes the one it was given

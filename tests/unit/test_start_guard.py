@@ -4,6 +4,7 @@ tests/test_outside_kill.py::test_elastic_rank_killed_before_mpi_started."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,11 +24,11 @@ def _rank(namespace: str, rank: int, local_rank: int) -> subprocess.Popen:
 
 
 def _guard(me: subprocess.Popen, rank: int, size: int, local_rank: int, local_size: int,
-           namespace: str, limit: float):
+           namespace: str, limit: float, stopped_limit: float = 0.0, after: bool = False):
     read_fd, write_fd = os.pipe()
     proc = subprocess.Popen([sys.executable, "-I", "-S", GUARD, str(read_fd), str(me.pid),
                              str(rank), str(size), str(local_rank), str(local_size), namespace,
-                             str(limit)],
+                             str(limit), str(stopped_limit), "1" if after else "0"],
                             pass_fds=(read_fd,), stderr=subprocess.PIPE, text=True)
     os.close(read_fd)
     return proc, write_fd
@@ -110,15 +111,70 @@ def test_the_guard_ends_with_its_rank():
         guard.wait()
 
 
-def test_no_guard_without_anything_to_watch(monkeypatch):
+def test_what_the_guard_watches(monkeypatch):
+    """No guard where the watchdog is off and nothing else is to watch; the start-up limit
+    (with its floor) under ULFM only; a stopped rank after HPCDDP_TIMEOUT under every
+    launcher."""
     monkeypatch.delenv("PMIX_NAMESPACE", raising=False)
     assert start_guard.start(0, 2, None, None, None) is None
-    guard = start_guard.start(0, 2, 0, 2, 5.0)     # a limit alone: the floor applies
+    for ft, limit in ((True, start_guard.START_TIMEOUT_FLOOR_S), (False, 0.0)):
+        guard = start_guard.start(0, 2, 0, 2, 5.0, fault_tolerant=ft)
+        try:
+            assert guard is not None and guard.proc.args[-5:] == ["-", str(limit), "5.0", "0", "1"]
+        finally:
+            guard.done()
+        assert guard.proc.returncode == 0
+
+
+def test_a_rank_stopped_while_the_job_starts_is_ended_naming_it():
+    """SIGSTOP from outside while the job starts (before hpcddp's watchdog runs): after
+    HPCDDP_TIMEOUT the guard names the rank and ends it, so that the launcher ends the job."""
+    me = _rank("", 1, 0)
     try:
-        assert guard is not None and guard.proc.args[-1] == str(start_guard.START_TIMEOUT_FLOOR_S)
+        guard, fd = _guard(me, 1, 2, -1, 0, "", 0, stopped_limit=1.0)
+        me.send_signal(signal.SIGSTOP)
+        assert _wait_gone(guard, 20), "the guard did not act"
+        err = guard.stderr.read()
+        assert f"[rank1] hpcddp: rank 1 (pid {me.pid} on" in err, err
+        assert "has been stopped (state T: SIGSTOP, kill -STOP)" in err, err
+        assert "before MPI_Init; HPCDDP_TIMEOUT=1 s" in err, err
+        assert _wait_gone(me, 5) and me.returncode == -9
+        os.close(fd)
     finally:
-        guard.done()
-    assert guard.proc.returncode == 0
+        me.kill()
+        me.wait()
+
+
+def test_a_rank_stopped_then_resumed_or_suspended_with_its_guard_is_left_alone():
+    """Stopped for less than the limit (a pause), or stopped together with its guard for
+    longer (a whole job suspended, `scontrol suspend`; the guard resumed first): not ended."""
+    me = _rank("", 0, 0)
+    guard, fd = _guard(me, 0, 2, -1, 0, "", 0, stopped_limit=1.5)
+    try:
+        os.write(fd, start_guard.MPI_STARTED)        # after MPI_Init: the same watch
+        me.send_signal(signal.SIGSTOP)
+        time.sleep(0.8)
+        me.send_signal(signal.SIGCONT)
+        time.sleep(1.5)
+        assert guard.poll() is None and me.poll() is None
+        guard.send_signal(signal.SIGSTOP)
+        me.send_signal(signal.SIGSTOP)
+        time.sleep(start_guard.GAP_S + 0.5)
+        guard.send_signal(signal.SIGCONT)            # the guard first: it sees its rank stopped
+        time.sleep(0.7)
+        me.send_signal(signal.SIGCONT)
+        time.sleep(1.5)
+        assert guard.poll() is None and me.poll() is None, guard.stderr.read()
+        os.close(fd)
+        fd = None
+        assert _wait_gone(guard, 5) and guard.stderr.read() == ""
+    finally:
+        if fd is not None:
+            os.close(fd)
+        for p in (me, guard):
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
 
 
 def _task(job: str, rank: int, node: int, local_rank: int) -> subprocess.Popen:
@@ -168,5 +224,84 @@ def test_a_task_lost_in_an_srun_step_ends_the_step(tmp_path, gtids):
         os.close(write_fd)
     finally:
         for p in tasks.values():
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("srun", [False, True], ids=["ulfm-mpirun", "srun"])
+def test_a_sibling_lost_after_mpi_started(tmp_path, srun):
+    """Once MPI_Init has completed a lost rank is MPI's, hpcddp.elastic's or the launcher's
+    (ULFM, mpirun): the guard leaves it; in an srun step, which ends nothing, the guard still
+    ends the step (and its rank), naming the lost one."""
+    job = str(900000 + os.getpid() % 99999)
+    if srun:
+        ranks = {0: _task(job, 0, 0, 0), 1: _task(job, 1, 0, 1)}
+        launch = f"step:{job}.0:0"
+    else:
+        launch = f"test-{uuid.uuid4().hex[:8]}"
+        ranks = {0: _rank(launch, 0, 0), 1: _rank(launch, 1, 1)}
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scancel").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/scancel.args\n")
+    (bin_dir / "scancel").chmod(0o755)
+    read_fd, fd = os.pipe()
+    guard = subprocess.Popen(
+        [sys.executable, "-I", "-S", GUARD, str(read_fd), str(ranks[0].pid), "0", "2", "0", "2",
+         launch, "0", "0", "1" if srun else "0"], pass_fds=(read_fd,), stderr=subprocess.PIPE,
+        text=True, env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}"))
+    os.close(read_fd)
+    try:
+        time.sleep(0.5)
+        os.write(fd, start_guard.MPI_STARTED)
+        time.sleep(0.3)
+        ranks[1].kill()
+        ranks[1].wait()
+        assert _wait_gone(guard, 2 + 2 * start_guard.SETTLE_S) == srun
+        if srun:
+            err = guard.stderr.read()
+            assert "[rank0] hpcddp: rank 1 on" in err, err
+            assert "ended while hpcddp started (killed from outside, the OOM killer, a crash); " \
+                "srun without --kill-on-bad-exit does not end the step for it" in err, err
+            assert err.rstrip().endswith("which waits for it"), err
+            assert (tmp_path / "scancel.args").read_text().split() == ["--signal=KILL", f"{job}.0"]
+            assert _wait_gone(ranks[0], 5) and ranks[0].returncode == -9
+        else:
+            assert ranks[0].poll() is None
+    finally:
+        os.close(fd)
+        for p in (*ranks.values(), guard):
+            p.kill()
+            p.wait()
+
+
+def test_a_sibling_stopped_before_its_guard_started_is_ended_once():
+    """Plain mpirun: a rank stopped while it still imported torch has no guard of its own; the
+    guard of the node's lowest running local rank ends it (the launcher then ends the job),
+    once, and leaves its own rank to the launcher; the other guards say nothing."""
+    ns = f"test-{uuid.uuid4().hex[:8]}"
+    ranks = {r: _rank(ns, r, r) for r in range(3)}
+    guards = {}
+    try:
+        for r in (0, 1):
+            read_fd, fd = os.pipe()
+            guards[r] = (subprocess.Popen(
+                [sys.executable, "-I", "-S", GUARD, str(read_fd), str(ranks[r].pid), str(r), "3",
+                 str(r), "3", ns, "0", "1.0", "0", "0"], pass_fds=(read_fd,),
+                stderr=subprocess.PIPE, text=True), fd)
+            os.close(read_fd)
+        ranks[2].send_signal(signal.SIGSTOP)
+        assert _wait_gone(ranks[2], 1.0 + start_guard.SIBLING_GRACE_S + 10), "not ended"
+        assert ranks[2].returncode == -9
+        time.sleep(1.0)
+        assert all(ranks[r].poll() is None and guards[r][0].poll() is None for r in (0, 1))
+        for r in (0, 1):
+            os.close(guards[r][1])
+        errs = {r: guards[r][0].communicate(timeout=10)[1] for r in (0, 1)}
+        assert f"[rank0] hpcddp: rank 2 (pid {ranks[2].pid} on" in errs[0], errs
+        assert "ending it (SIGKILL), so that the launcher ends the job" in errs[0], errs
+        assert errs[1] == "", errs
+    finally:
+        for p in (*ranks.values(), *(g for g, _ in guards.values())):
+            p.send_signal(signal.SIGCONT)
             p.kill()
             p.wait()
