@@ -166,7 +166,8 @@ VARS: tuple[Var, ...] = (
     # diagnostics (docs/hangs.md)
     Var("HPCDDP_TIMEOUT", seconds_or_off, DEFAULT_TIMEOUT, "seconds, or 0/off",
         "seconds an op may wait before the watchdog reports a stall; a group's torch "
-        "timeout= wins over it (under ULFM MPI's start-up may take max(this, 300 s))",
+        "timeout= wins over it (under ULFM MPI's start-up may take max(this, 300 s)); also "
+        "how long a rank may be stopped (SIGSTOP) while the job starts before it is ended",
         "hangs.md"),
     Var("HPCDDP_STALL_POLICY", _choice("abort", "warn"), "abort", "abort, warn",
         "after a stall report: abort the job (exit code 3), or warn and keep waiting",

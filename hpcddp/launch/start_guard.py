@@ -105,9 +105,8 @@ def start(rank: int, size: int | None, local_rank: int | None, local_size: int |
     launch = f"step:{slurm_step}" if slurm_step else namespace
     limit = max(timeout, START_TIMEOUT_FLOOR_S) if timeout and fault_tolerant else 0.0
     stopped_limit = timeout or 0.0
-    if (local_size or 0) <= 1 or local_rank is None or not (act_on_lost or stopped_limit):
-        launch = ""
-    if not (limit or stopped_limit or launch):
+    siblings_lost = act_on_lost and launch and (local_size or 0) > 1 and local_rank is not None
+    if not (limit or stopped_limit or siblings_lost):
         return None
     # past MPI_Init a lost task is still the guard's in an srun step (srun ends nothing),
     # not under ULFM (hpcddp.elastic's)
@@ -281,7 +280,9 @@ def _watch(fd: int, rank_pid: int, rank: int, size: int, local_rank: int, local_
     seen: dict = _slurm_world_ranks(launch)
     host = os.uname().nodename
     mpi_started = False
-    watch = bool(launch and local_size and local_rank >= 0)
+    # LAUNCH also names the srun step that _end cancels, with or without node-mates
+    watch = bool(launch) and local_size > 1 and local_rank >= 0
+
     while True:
         ready, _, _ = select.select([fd], [], [], PERIOD_S)
         if ready:
@@ -296,9 +297,10 @@ def _watch(fd: int, rank_pid: int, rank: int, size: int, local_rank: int, local_
         if state in ("", "Z", "X"):          # the rank is gone
             return
         now = time.monotonic()
-        if now - last > GAP_S:               # the guard was stopped too: start looking again
-            stopped, missing_since = {rank_pid: now} if rank_pid in stopped else {}, {}
-        last = now
+        gap, last = now - last, now
+        if gap > GAP_S:      # the guard was stopped too (a whole job suspended): what it saw
+            t0 += gap        # before does not count
+            stopped, missing_since = {pid: now for pid in stopped}, {}
         if stopped_limit and state == "T":
             since = stopped.setdefault(rank_pid, now)
             if now - since >= stopped_limit:
