@@ -183,6 +183,7 @@ def siblings(launch: str) -> dict:
     process it forked shares its variables), never a guard (it shares them too)."""
     found: dict = {}
     marks = _launch_marks(launch)
+    node = _uts("self")
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -196,7 +197,7 @@ def siblings(launch: str) -> dict:
                     continue
         except OSError:
             continue
-        if _uts(name) != _uts("self"):
+        if _uts(name) != node:
             continue         # another (virtual) node sharing this /proc: not a sibling
         values = dict(v.split(b"=", 1) for v in env if b"=" in v)
         local = next((values[k] for k in _LOCAL_RANK_VARIABLES if k in values), None)
