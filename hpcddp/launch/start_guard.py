@@ -214,11 +214,6 @@ def siblings(launch: str) -> dict:
     return found
 
 
-def local_ranks_alive(launch: str) -> dict:
-    """{local rank: world rank} of the live processes of LAUNCH on this node."""
-    return {local: world for local, (world, _, _) in siblings(launch).items()}
-
-
 def _slurm_world_ranks(launch: str) -> dict:
     """{local rank: world rank} of this node's tasks in an srun step, from SLURM_GTIDS (the
     step's task ids on this node, in local-rank order; Slurm 22.05 sets it, later ones may
@@ -251,13 +246,19 @@ def _end(rank_pid: int, rank: int, why: str, launch: str = "",
     what = (f"ending the job step ({' '.join(_SCANCEL)} {step}) and this rank (pid "
             f"{rank_pid})" if step else f"ending this rank (pid {rank_pid})")
     print(f"[rank{rank}] hpcddp: {why}: {what}, {tail}", file=sys.stderr, flush=True)
-    if step:         # the ranks on the other nodes cannot see the loss: srun's step ends them
+    _kill(rank_pid, step)
+
+
+def _kill(pid: int, step: str = "") -> None:
+    """SIGKILL PID; in an srun step (STEP "JOB.STEP") cancel the step first: the ranks on the
+    other nodes cannot see the loss, and srun ends nothing for it."""
+    if step:
         try:
             subprocess.run([*_SCANCEL, step], timeout=30, stdin=subprocess.DEVNULL)
         except (OSError, subprocess.SubprocessError):
             pass
     try:
-        os.kill(rank_pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
     except OSError:
         pass
 
@@ -283,7 +284,6 @@ def _watch(fd: int, rank_pid: int, rank: int, size: int, local_rank: int, local_
     mpi_started = False
     # LAUNCH also names the srun step that _end cancels, with or without node-mates
     watch = bool(launch) and local_size > 1 and local_rank >= 0
-
     while True:
         ready, _, _ = select.select([fd], [], [], PERIOD_S)
         if ready:
@@ -357,18 +357,11 @@ def _watch_stopped_siblings(found: dict, stopped: dict, now: float, rank: int,
         if now - since < limit + SIBLING_GRACE_S or min(running, default=-1) != local_rank:
             continue
         step, _ = _slurm_step(launch)
-        print(f"[rank{rank}] hpcddp: {_stopped_line(world, pid, host, now - since, limit, mpi_started)}: "
-              f"ending it (SIGKILL{', and the job step: srun ends nothing' if step else ''}), "
-              f"so that the launcher ends the job as for a lost rank", file=sys.stderr, flush=True)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-        if step:
-            try:
-                subprocess.run([*_SCANCEL, step], timeout=30, stdin=subprocess.DEVNULL)
-            except (OSError, subprocess.SubprocessError):
-                pass
+        line = _stopped_line(world, pid, host, now - since, limit, mpi_started)
+        print(f"[rank{rank}] hpcddp: {line}: ending it (SIGKILL"
+              f"{', and the job step: srun ends nothing' if step else ''}), so that the "
+              f"launcher ends the job as for a lost rank", file=sys.stderr, flush=True)
+        _kill(pid, step)
         stopped.pop(pid, None)
 
 

@@ -24,12 +24,14 @@ def _rank(namespace: str, rank: int, local_rank: int) -> subprocess.Popen:
 
 
 def _guard(me: subprocess.Popen, rank: int, size: int, local_rank: int, local_size: int,
-           namespace: str, limit: float, stopped_limit: float = 0.0, after: bool = False):
+           namespace: str, limit: float, stopped_limit: float = 0.0, after: bool = False,
+           act_on_lost: bool = True, env=None):
     read_fd, write_fd = os.pipe()
     proc = subprocess.Popen([sys.executable, "-I", "-S", GUARD, str(read_fd), str(me.pid),
                              str(rank), str(size), str(local_rank), str(local_size), namespace,
-                             str(limit), str(stopped_limit), "1" if after else "0"],
-                            pass_fds=(read_fd,), stderr=subprocess.PIPE, text=True)
+                             str(limit), str(stopped_limit), "1" if after else "0",
+                             "1" if act_on_lost else "0"],
+                            pass_fds=(read_fd,), stderr=subprocess.PIPE, text=True, env=env)
     os.close(read_fd)
     return proc, write_fd
 
@@ -177,6 +179,18 @@ def test_a_rank_stopped_then_resumed_or_suspended_with_its_guard_is_left_alone()
             p.wait()
 
 
+def _fake_scancel(tmp_path, env=None) -> dict:
+    """ENV (default: this one) with a scancel first on PATH that writes its arguments to
+    TMP_PATH/scancel.args: the guard's call is seen, no real job is touched."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scancel").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/scancel.args\n")
+    (bin_dir / "scancel").chmod(0o755)
+    env = dict(os.environ if env is None else env)
+    env["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
+    return env
+
+
 def _task(job: str, rank: int, node: int, local_rank: int) -> subprocess.Popen:
     """A stand-in task of srun step JOB.0 (no PMIx: srun --mpi=pmi2 sets none)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMIX_", "SLURM_"))}
@@ -194,10 +208,6 @@ def test_a_task_lost_in_an_srun_step_ends_the_step(tmp_path, gtids):
     rank where Slurm lists the node's task ids (SLURM_GTIDS; here a cyclic distribution, so
     local rank 1 is world rank 2), else by its local rank."""
     job = str(900000 + os.getpid() % 99999)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scancel").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/scancel.args\n")
-    (bin_dir / "scancel").chmod(0o755)
     tasks = {0: _task(job, 0, 0, 0), 2: _task(job, 2, 0, 1),
              1: _task(job, 1, 1, 0), 3: _task(job, 3, 1, 1)}
     env = {k: v for k, v in os.environ.items() if k != "SLURM_GTIDS"}
@@ -207,12 +217,8 @@ def test_a_task_lost_in_an_srun_step_ends_the_step(tmp_path, gtids):
         time.sleep(0.3)
         tasks[2].kill()
         tasks[2].wait()
-        read_fd, write_fd = os.pipe()
-        guard = subprocess.Popen(
-            [sys.executable, "-I", "-S", GUARD, str(read_fd), str(tasks[0].pid), "0", "4", "0",
-             "2", f"step:{job}.0:0", "0"], pass_fds=(read_fd,), stderr=subprocess.PIPE,
-            text=True, env=dict(env, PATH=f"{bin_dir}:{os.environ['PATH']}"))
-        os.close(read_fd)
+        guard, write_fd = _guard(tasks[0], 0, 4, 0, 2, f"step:{job}.0:0", 0,
+                                 env=_fake_scancel(tmp_path, env))
         assert _wait_gone(guard, 20), "the guard did not act"
         err = guard.stderr.read()
         lost = "rank 2" if gtids else "the job's local rank 1"
@@ -240,16 +246,8 @@ def test_a_sibling_lost_after_mpi_started(tmp_path, srun):
     else:
         launch = f"test-{uuid.uuid4().hex[:8]}"
         ranks = {0: _rank(launch, 0, 0), 1: _rank(launch, 1, 1)}
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scancel").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/scancel.args\n")
-    (bin_dir / "scancel").chmod(0o755)
-    read_fd, fd = os.pipe()
-    guard = subprocess.Popen(
-        [sys.executable, "-I", "-S", GUARD, str(read_fd), str(ranks[0].pid), "0", "2", "0", "2",
-         launch, "0", "0", "1" if srun else "0"], pass_fds=(read_fd,), stderr=subprocess.PIPE,
-        text=True, env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}"))
-    os.close(read_fd)
+    guard, fd = _guard(ranks[0], 0, 2, 0, 2, launch, 0, after=srun,
+                       env=_fake_scancel(tmp_path))
     try:
         time.sleep(0.5)
         os.write(fd, start_guard.MPI_STARTED)
@@ -283,12 +281,7 @@ def test_a_sibling_stopped_before_its_guard_started_is_ended_once():
     guards = {}
     try:
         for r in (0, 1):
-            read_fd, fd = os.pipe()
-            guards[r] = (subprocess.Popen(
-                [sys.executable, "-I", "-S", GUARD, str(read_fd), str(ranks[r].pid), str(r), "3",
-                 str(r), "3", ns, "0", "1.0", "0", "0"], pass_fds=(read_fd,),
-                stderr=subprocess.PIPE, text=True), fd)
-            os.close(read_fd)
+            guards[r] = _guard(ranks[r], r, 3, r, 3, ns, 0, stopped_limit=1.0, act_on_lost=False)
         ranks[2].send_signal(signal.SIGSTOP)
         assert _wait_gone(ranks[2], 1.0 + start_guard.SIBLING_GRACE_S + 10), "not ended"
         assert ranks[2].returncode == -9
